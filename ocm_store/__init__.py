@@ -1,0 +1,6 @@
+"""Online Correction Memory stores: where CSD's divergence-pattern counts live."""
+
+from ocm_store.base import Namespace, NamespacedMemory, OCMStore, Pattern, StoreStatus
+from ocm_store.memory import InMemoryStore
+
+__all__ = ["InMemoryStore", "Namespace", "NamespacedMemory", "OCMStore", "Pattern", "StoreStatus"]

@@ -1,0 +1,23 @@
+"""Choose and open the OCM store the settings ask for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ocm_store.base import OCMStore
+from ocm_store.memory import InMemoryStore
+
+
+def open_store(
+    redis_url: str | None,
+    path: Path | None,
+    *,
+    max_patterns: int = 200_000,
+    save_interval_s: float = 30.0,
+    flush_interval_s: float = 0.1,
+    refresh_interval_s: float = 0.5,
+) -> OCMStore:
+    """Redis when a URL is given (shared by every replica), else the in-process store persisted to `path`."""
+    if redis_url:
+        raise NotImplementedError("the Redis OCM backend is not available yet")
+    return InMemoryStore(path=path, save_interval_s=save_interval_s, max_patterns=max_patterns)

@@ -1,0 +1,439 @@
+"""`csd`: the command-line tool (generate, calibrate, ocm, serve).
+
+Every failure a user can cause (a bad flag value, a missing model, a wrong file) ends in one line
+`csd: error: ...` and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from service.decoding.types import DecodingError, Method, SamplingParams
+
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """A user-facing failure: printed as one line."""
+
+
+# ---------------------------------------------------------------- shared options
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models (default from CSD_* environment variables)")
+    g.add_argument("--model", help="target: 'embedded' (default), hub id, folder or .gguf file")
+    g.add_argument("--draft-model", help="draft model for --drafter model")
+    g.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", help="cpu | cuda | cuda:N | auto")
+    g.add_argument("--cache-dir", type=Path, help="where converted GGUF weights and the OCM file live")
+    g.add_argument("--redis-url", help="shared OCM in Redis (redis:// or rediss://)")
+    g.add_argument("--ocm-path", type=Path, help="file the in-process OCM persists to")
+
+
+def _add_speculation_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculation")
+    g.add_argument("--method", choices=[m.value for m in Method])
+    g.add_argument("--drafter", choices=["ngram", "model"])
+    g.add_argument("--num-speculative-tokens", type=int)
+    g.add_argument("--tau", type=float, help="semantic gate: p(draft)/p(target top) >= tau, in (0, 1]")
+    g.add_argument("--lambda", dest="lambda_", type=float, help="frequency gate: rescue when count > lambda")
+    g.add_argument("--ngram-min", type=int)
+    g.add_argument("--ngram-max", type=int)
+
+
+_SETTING_FLAGS = (
+    "model", "draft_model", "dtype", "device", "cache_dir", "redis_url", "ocm_path", "method", "drafter",
+    "num_speculative_tokens", "tau", "lambda_", "ngram_min", "ngram_max", "host", "port", "api_keys",
+)  # fmt: skip
+
+
+def settings_from_args(args: argparse.Namespace):  # -> Settings
+    from service.config import Settings
+
+    overrides = {k: getattr(args, k) for k in _SETTING_FLAGS if getattr(args, k, None) is not None}
+    if "lambda_" in overrides:
+        overrides["lambda"] = overrides.pop("lambda_")
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ())) or "settings"
+        raise CLIError(f"invalid {where}: {first['msg']}") from None
+
+
+def _build_runtime(args: argparse.Namespace):
+    from service.runtime import Runtime
+
+    settings = settings_from_args(args)
+    if args.command != "serve":
+        print(f"csd: loading {settings.model} ...", file=sys.stderr, flush=True)
+    return Runtime.build(settings)
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+# ---------------------------------------------------------------- generate
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    prompt = args.prompt
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt or not prompt.strip():
+        raise CLIError("prompt must not be empty")
+    return prompt
+
+
+def _sampling_from_args(args: argparse.Namespace, settings) -> SamplingParams:
+    max_tokens = args.max_tokens if args.max_tokens is not None else settings.default_max_tokens
+    if max_tokens > settings.max_tokens_cap:
+        raise CLIError(
+            f"max tokens {max_tokens} exceeds the cap of {settings.max_tokens_cap} (CSD_MAX_TOKENS_CAP)"
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from service.decoding.text import encode_chat, encode_prompt
+
+    prompt = _read_prompt(args)
+    settings = settings_from_args(args)
+    sampling = _sampling_from_args(args, settings)  # validate before the slow model load
+    spec = settings.speculative_config()
+    runtime = _build_runtime(args)
+    try:
+        tok = runtime.target.tokenizer
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            ids = encode_chat(tok, messages)
+        else:
+            ids = encode_prompt(tok, prompt)
+        generation = runtime.engine.generate(ids, sampling, spec, drafter=settings.drafter)
+        for step in generation:
+            if not args.json and step.text:
+                sys.stdout.write(step.text)
+                sys.stdout.flush()
+        stats = generation.stats.as_dict()
+        if args.json:
+            out = {
+                "model": runtime.model_id,
+                "method": spec.method.value,
+                "drafter": settings.drafter if spec.speculates else None,
+                "text": generation.text,
+                "finish_reason": generation.finish_reason,
+                "tokens": [
+                    {
+                        "id": t.token_id,
+                        "text": tok.decode([t.token_id]),
+                        "provenance": t.provenance.value,
+                        **(
+                            {
+                                "replaced": t.replaced_token_id,
+                                "replaced_text": tok.decode([t.replaced_token_id]),
+                            }
+                            if t.replaced_token_id is not None
+                            else {}
+                        ),
+                    }
+                    for t in generation.tokens
+                ],
+                "stats": stats,
+            }
+            print(json.dumps(out, ensure_ascii=False))
+        else:
+            print()
+            print(
+                f"[{spec.method.value}] {stats['completion_tokens']} tokens, {stats['tokens_per_second']} tokens/s, "
+                f"{stats['mean_accepted_length']} tokens per target forward, "
+                f"acceptance {stats['acceptance_rate']:.1%}, rescue {stats['rescue_rate']:.1%} "
+                f"(accepted {stats['accepted_tokens']}, rescued {stats['rescued_tokens']}, "
+                f"drafted {stats['draft_tokens']}), finish: {generation.finish_reason}",
+                file=sys.stderr,
+            )
+    finally:
+        runtime.close()
+    return 0
+
+
+# ---------------------------------------------------------------- calibrate
+
+
+def read_prompt_file(path: Path) -> Iterator[dict]:
+    """JSON lines with "prompt" (chat user message), "messages" or "text" (raw completion); or plain text
+    with one prompt per line."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise CLIError(f"cannot read prompts file {str(path)!r}: {exc.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CLIError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+            if not any(k in item for k in ("prompt", "messages", "text")):
+                raise CLIError(f"{path}:{number}: needs a 'prompt', 'messages' or 'text' field")
+            yield item
+        else:
+            yield {"prompt": line}
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from service.decoding.text import encode_chat, encode_prompt
+    from service.decoding.types import SpeculativeConfig
+
+    items = list(read_prompt_file(args.prompts))
+    if not items:
+        raise CLIError(f"prompts file {str(args.prompts)!r} holds no prompts")
+    settings = settings_from_args(args)
+    runtime = _build_runtime(args)
+    try:
+        tok = runtime.target.tokenizer
+        drafter = settings.drafter
+        namespace = runtime.namespaces[drafter]
+        before = runtime.store.status().patterns
+        spec = SpeculativeConfig(method=Method.SD, num_speculative_tokens=settings.num_speculative_tokens)
+        sampling = SamplingParams(max_tokens=args.max_tokens)
+        started = time.perf_counter()
+        rejections = 0
+        for i, item in enumerate(items, 1):
+            if "messages" in item:
+                ids = encode_chat(tok, item["messages"])
+            elif "prompt" in item:
+                ids = encode_chat(tok, [{"role": "user", "content": item["prompt"]}])
+            else:
+                ids = encode_prompt(tok, item["text"])
+            generation = runtime.engine.generate(ids, sampling, spec, drafter=drafter, record_strict=True)
+            for _ in generation:
+                pass
+            rejections += generation.stats.num_recovered
+            print(
+                f"\rcalibrating {i}/{len(items)}: {rejections} divergences recorded",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+        print(file=sys.stderr)
+        runtime.store.close()
+        after = runtime.store.status().patterns
+        print(
+            f"calibrated {len(items)} prompts in {time.perf_counter() - started:.1f}s: {rejections} divergences, "
+            f"{after - before} new patterns ({after} in the store) for {namespace.key}"
+        )
+    finally:
+        runtime.close()
+    return 0
+
+
+# ---------------------------------------------------------------- ocm
+
+
+def _ocm_store(args: argparse.Namespace):
+    from ocm_store.factory import open_store
+
+    settings = settings_from_args(args)
+    url = settings.redis_url.get_secret_value() if settings.redis_url else None
+    return settings, open_store(url, settings.ocm_file)
+
+
+def _select_namespaces(store, args: argparse.Namespace) -> list:
+    namespaces = store.namespaces()
+    if args.namespace:
+        namespaces = [ns for ns in namespaces if args.namespace in ns.key]
+    return namespaces
+
+
+def _decoder(args: argparse.Namespace):
+    """Decodes token ids for display when the tokenizer can be had cheaply; ids otherwise."""
+    if args.raw:
+        return None
+    try:
+        from service.decoding.models import load_tokenizer_for_display
+
+        settings = settings_from_args(args)
+        return load_tokenizer_for_display(settings.model, settings.cache_dir)
+    except Exception:  # display only: fall back to ids
+        return None
+
+
+def cmd_ocm(args: argparse.Namespace) -> int:
+    settings, store = _ocm_store(args)
+    try:
+        if args.ocm_command == "stats":
+            status = store.status()
+            print(json.dumps({
+                "backend": status.backend, "healthy": status.healthy, "patterns": status.patterns,
+                "detail": status.detail, **status.extra,
+                "namespaces": {ns.key: len(store.top(ns, 10**9)) for ns in store.namespaces()},
+            }, indent=2))  # fmt: skip
+        elif args.ocm_command == "top":
+            tok = _decoder(args)
+            namespaces = _select_namespaces(store, args)
+            if not namespaces:
+                print("no divergence patterns recorded yet (run `csd calibrate` or serve some csd requests)")
+            for ns in namespaces:
+                print(f"# {ns.key}")
+                for p in store.top(ns, args.n):
+                    if tok is not None:
+                        print(
+                            f"{p.count:8d}  {tok.decode([p.draft_token])!r} -> {tok.decode([p.target_token])!r}"
+                        )
+                    else:
+                        print(f"{p.count:8d}  {p.draft_token} -> {p.target_token}")
+        elif args.ocm_command == "export":
+            n = 0
+            with contextlib.ExitStack() as stack:
+                out = (
+                    sys.stdout
+                    if args.file == "-"
+                    else stack.enter_context(open(args.file, "w", encoding="utf-8"))
+                )
+                for ns in _select_namespaces(store, args):
+                    for p in store.top(ns, 10**9):
+                        row = {
+                            "namespace": ns.key,
+                            "draft_token": p.draft_token,
+                            "target_token": p.target_token,
+                        }
+                        out.write(json.dumps({**row, "count": p.count}) + "\n")
+                        n += 1
+            print(f"exported {n} patterns", file=sys.stderr)
+        elif args.ocm_command == "import":
+            from ocm_store.base import Namespace
+
+            grouped: dict = {}
+            for item in read_prompt_file_like(args.file):
+                try:
+                    ns = Namespace.from_key(item["namespace"])
+                    row = (int(item["draft_token"]), int(item["target_token"]), int(item["count"]))
+                except (KeyError, ValueError, TypeError) as exc:
+                    raise CLIError(f"{args.file}: bad pattern line {item!r} ({exc})") from None
+                if row[2] < 0:
+                    raise CLIError(f"{args.file}: negative count in {item!r}")
+                grouped.setdefault(ns, []).append(row)
+            for ns, rows in grouped.items():
+                store.merge(ns, rows)
+            print(f"imported {sum(len(r) for r in grouped.values())} patterns into {len(grouped)} namespaces")
+        elif args.ocm_command == "reset":
+            namespaces = _select_namespaces(store, args) if args.namespace else [None]
+            for ns in namespaces:
+                store.reset(ns)
+            print("reset " + (f"{len(namespaces)} namespaces" if args.namespace else "all patterns"))
+    finally:
+        store.close()
+    return 0
+
+
+def read_prompt_file_like(path: str) -> Iterator[dict]:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CLIError(f"cannot read {path!r}: {exc.strerror}") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CLIError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="csd", description="Calibrated Speculative Decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt and show acceptance statistics")
+    gen.add_argument("prompt", help="the prompt ('-' reads standard input)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--system", help="system message for --chat")
+    gen.add_argument("--max-tokens", type=int)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with tokens and statistics")
+    _add_model_options(gen)
+    _add_speculation_options(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    cal = sub.add_parser(
+        "calibrate", help="warm the OCM by strict speculative decoding over in-domain prompts"
+    )
+    cal.add_argument("--prompts", type=Path, required=True, help="JSON lines or one prompt per line")
+    cal.add_argument("--max-tokens", type=int, default=128)
+    _add_model_options(cal)
+    _add_speculation_options(cal)
+    cal.set_defaults(func=cmd_calibrate)
+
+    ocm = sub.add_parser("ocm", help="inspect and manage the Online Correction Memory")
+    ocm_sub = ocm.add_subparsers(dest="ocm_command", required=True)
+    for name, help_text in (
+        ("stats", "store health and pattern counts"),
+        ("top", "most frequent divergence patterns"),
+        ("export", "write patterns as JSON lines"),
+        ("import", "merge patterns from JSON lines"),
+        ("reset", "forget patterns"),
+    ):
+        p = ocm_sub.add_parser(name, help=help_text)
+        _add_model_options(p)
+        p.add_argument("--namespace", help="only namespaces whose key contains this text")
+        if name == "top":
+            p.add_argument("-n", type=int, default=20)
+            p.add_argument("--raw", action="store_true", help="token ids, do not decode")
+        if name in ("export", "import"):
+            p.add_argument("file", help="JSON lines file ('-' for standard output / input)")
+        p.set_defaults(func=cmd_ocm)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("CSD_LOG_LEVEL", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    if getattr(args, "lambda_", None) is not None and math.isnan(args.lambda_):
+        print("csd: error: lambda must be a number >= 0", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        _quiet_libraries()
+        return args.func(args)
+    except (CLIError, DecodingError) as exc:
+        print(f"csd: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

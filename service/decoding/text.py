@@ -1,0 +1,81 @@
+"""Prompts in, text out: chat templates, incremental detokenisation and stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from service.decoding.types import DecodingError
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    if not prompt:
+        raise DecodingError("prompt must not be empty")
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict]) -> list[int]:
+    """messages: [{"role": ..., "content": ...}] through the tokenizer's chat template."""
+    if not messages:
+        raise DecodingError("messages must not be empty")
+    if tokenizer.chat_template is None:
+        raise DecodingError("this model has no chat template; use a plain completion prompt")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns token ids into text deltas as they come.
+
+    Decodes a short window (a few tokens before the new ones) and emits only what the window adds, so
+    byte-level pieces of one character are held back until complete (no U+FFFD in the stream) and
+    tokenizers that drop a leading space at the start of a decode still get it right.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-5:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(new_ids)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        text = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return text[len(prefix) :]
+        return ""
+
+
+class StopMatcher:
+    """Finds stop strings in the streamed text, holding back a tail that could be the start of one."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.pending = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """-> (text safe to emit now, stopped?)."""
+        if not self.stop:
+            return delta, False
+        self.pending += delta
+        cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.pending = self.pending[:cut], ""
+            return out, True
+        if self.hold == 0:
+            out, self.pending = self.pending, ""
+        else:
+            out, self.pending = self.pending[: -self.hold], self.pending[-self.hold :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

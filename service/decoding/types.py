@@ -1,0 +1,210 @@
+"""Plain data that crosses the boundary of the decoding core: configs, emitted tokens, round statistics.
+
+Vocabulary (shared with the API, the metrics and the docs):
+- accepted: a draft token kept because it equals the target's choice;
+- rescued: a draft token kept by the OCM + SCG gates of Calibrated Speculative Decoding;
+- recovered: the target's token emitted after the first real rejection of a round;
+- bonus: the extra target token when every draft token of a round was kept;
+- plain: a target token from a round that had no draft (vanilla decoding, or a drafter with nothing to say).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Method(str, Enum):
+    VANILLA = "vanilla"  # plain target decoding, the 1.00x baseline
+    SD = "sd"  # strict (lossless) speculative decoding
+    LOSSY = "lossy"  # static lenient baseline of the CSD paper
+    CSD = "csd"  # Calibrated Speculative Decoding
+
+
+class Provenance(str, Enum):
+    ACCEPTED = "accepted"
+    RESCUED = "rescued"
+    RECOVERED = "recovered"
+    BONUS = "bonus"
+    PLAIN = "plain"
+
+
+class DecodingError(ValueError):
+    """A request the core cannot serve, worded for the user (bad parameter, model mismatch, ...)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How one generation speculates. Defaults are the CSD paper's (k = 6, lambda = 6, tau = 0.01)."""
+
+    method: Method = Method.CSD
+    num_speculative_tokens: int = 6
+    # CSD frequency gate: rescue only when count(draft, target) > lambda_. math.inf disables rescue.
+    lambda_: float = 6
+    # CSD semantic consistency gate: p(draft) / p(target top) >= tau, on raw target logits.
+    tau: float = 0.01
+    # Lossy baseline: accept when p(draft) / p(target top) >= lossy_threshold.
+    lossy_threshold: float = 0.6
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, Method):
+            try:
+                object.__setattr__(self, "method", Method(self.method))
+            except ValueError:
+                raise DecodingError(
+                    f"unknown method {self.method!r}; choose one of {', '.join(m.value for m in Method)}"
+                ) from None
+        if not 0 <= self.num_speculative_tokens <= 64:
+            raise DecodingError("num_speculative_tokens must be between 0 and 64")
+        if not (0 < self.tau <= 1) or math.isnan(self.tau):
+            raise DecodingError(f"tau must be in (0, 1], got {self.tau}")
+        if not self.lambda_ >= 0:
+            raise DecodingError(f"lambda must be >= 0, got {self.lambda_}")
+        if not (0 < self.lossy_threshold <= 1):
+            raise DecodingError(f"lossy_threshold must be in (0, 1], got {self.lossy_threshold}")
+
+    @property
+    def speculates(self) -> bool:
+        return self.method is not Method.VANILLA and self.num_speculative_tokens > 0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature == 0 means greedy."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise DecodingError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (0 <= self.temperature <= 2) or math.isnan(self.temperature):
+            raise DecodingError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise DecodingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise DecodingError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class EmittedToken:
+    token_id: int
+    provenance: Provenance
+    # For a rescued token: the target's own top choice that it stood in for.
+    replaced_token_id: int | None = None
+
+
+@dataclass
+class RoundStats:
+    """What one verification round did. One round = one target forward."""
+
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    num_rescued: int = 0
+    num_recovered: int = 0  # 0 or 1
+    num_bonus: int = 0  # 0 or 1
+    # per draft position: True if that draft token was kept (accepted or rescued)
+    kept_per_position: list[bool] = field(default_factory=list)
+    ocm_seconds: float = 0.0  # time spent in the correction memory (record + read)
+
+    @property
+    def num_kept(self) -> int:
+        return self.num_accepted + self.num_rescued
+
+
+@dataclass
+class GenerationStats:
+    """Running totals over a whole generation (sums of RoundStats plus timing)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    target_forwards: int = 0
+    num_drafts: int = 0  # rounds that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    num_rescued: int = 0
+    num_recovered: int = 0
+    num_bonus: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    ocm_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    def add_round(self, r: RoundStats) -> None:
+        self.target_forwards += 1
+        if r.num_draft_tokens:
+            self.num_drafts += 1
+        self.num_draft_tokens += r.num_draft_tokens
+        self.num_accepted += r.num_accepted
+        self.num_rescued += r.num_rescued
+        self.num_recovered += r.num_recovered
+        self.num_bonus += r.num_bonus
+        self.ocm_seconds += r.ocm_seconds
+        if len(self.accepted_per_position) < len(r.kept_per_position):
+            self.accepted_per_position.extend(
+                [0] * (len(r.kept_per_position) - len(self.accepted_per_position))
+            )
+        for i, kept in enumerate(r.kept_per_position):
+            self.accepted_per_position[i] += int(kept)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """(accepted + rescued) / drafted; 0 when nothing was drafted."""
+        return (
+            (self.num_accepted + self.num_rescued) / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        )
+
+    @property
+    def rescue_rate(self) -> float:
+        """rescued / drafted."""
+        return self.num_rescued / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target forward (1.0 for vanilla decoding)."""
+        return self.completion_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        total = self.prefill_seconds + self.decode_seconds
+        return self.completion_tokens / total if total > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "target_forwards": self.target_forwards,
+            "num_drafts": self.num_drafts,
+            "draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": self.num_accepted,
+            "rescued_tokens": self.num_rescued,
+            "recovered_tokens": self.num_recovered,
+            "bonus_tokens": self.num_bonus,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "rescue_rate": round(self.rescue_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "ocm_seconds": round(self.ocm_seconds, 6),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "decode_seconds": round(self.decode_seconds, 4),
+        }
+
+
+@dataclass
+class GenerationStep:
+    """One round's output: the tokens it emitted (after stop handling) and the text they add."""
+
+    tokens: list[EmittedToken]
+    text: str
+    round: RoundStats
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or None while running

@@ -1,0 +1,78 @@
+"""Builds the heavy state once from `Settings`: models, drafters, the OCM store and the engine.
+
+The CLI and the HTTP app both start from here, so a setting means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ocm_store.base import Namespace, OCMStore
+from ocm_store.factory import open_store
+from service.config import Settings
+from service.decoding import (
+    Drafter,
+    Engine,
+    LoadedModel,
+    ModelDrafter,
+    NgramDrafter,
+    check_same_vocabulary,
+    load_model,
+    vocabulary_hash,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    target: LoadedModel
+    engine: Engine
+    store: OCMStore
+    namespaces: dict[str, Namespace] = field(default_factory=dict)  # drafter name -> its model pair
+    draft: LoadedModel | None = None
+
+    @property
+    def model_id(self) -> str:
+        return self.settings.served_model_name or self.target.name
+
+    @classmethod
+    def build(cls, settings: Settings, store: OCMStore | None = None) -> Runtime:
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        target = load_model(
+            settings.model, dtype=settings.dtype, device=settings.device, cache_dir=settings.cache_dir
+        )
+        drafters: dict[str, Drafter] = {"ngram": NgramDrafter(settings.ngram_min, settings.ngram_max)}
+        draft = None
+        if settings.draft_model:
+            draft = load_model(
+                settings.draft_model,
+                dtype=settings.dtype,
+                device=settings.device,
+                cache_dir=settings.cache_dir,
+            )
+            check_same_vocabulary(target, draft)
+            drafters["model"] = ModelDrafter(draft)
+        if store is None:
+            store = open_store(
+                settings.redis_url.get_secret_value() if settings.redis_url else None,
+                settings.ocm_file,
+                max_patterns=settings.ocm_max_patterns,
+                save_interval_s=settings.ocm_save_interval_s,
+                flush_interval_s=settings.ocm_flush_interval_s,
+                refresh_interval_s=settings.ocm_refresh_interval_s,
+            )
+        vocab = vocabulary_hash(target.tokenizer)
+        target_id = f"{target.name}@{target.revision}"
+        namespaces = {name: Namespace(target_id, d.identity, vocab) for name, d in drafters.items()}
+        memories = {name: store.memory(ns) for name, ns in namespaces.items()}
+        engine = Engine(target, drafters, memories)
+        return cls(settings, target, engine, store, namespaces, draft)
+
+    def close(self) -> None:
+        self.store.close()
