@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     tau: float = Field(0.01, gt=0, le=1)
     lambda_: float = Field(6, ge=0, validation_alias=AliasChoices("lambda", "CSD_LAMBDA"))
     lossy_threshold: float = Field(0.6, gt=0, le=1)
+    adaptive_speculation: bool = Field(
+        True, description="verify only as much of a draft as pays for itself (measured forward costs)"
+    )
     ngram_min: int = Field(2, ge=1)
     ngram_max: int = Field(4, ge=1)
 

@@ -15,6 +15,7 @@ from ocm_store.factory import open_store
 from service.config import Settings
 from service.decoding import (
     Drafter,
+    DraftPolicy,
     Engine,
     LoadedModel,
     ModelDrafter,
@@ -23,6 +24,7 @@ from service.decoding import (
     load_model,
     vocabulary_hash,
 )
+from service.decoding.draft_policy import measure_forward_costs
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,16 @@ class Runtime:
         target_id = f"{target.name}@{target.revision}"
         namespaces = {name: Namespace(target_id, d.identity, vocab) for name, d in drafters.items()}
         memories = {name: store.memory(ns) for name, ns in namespaces.items()}
-        engine = Engine(target, drafters, memories)
+        policy = None
+        if settings.adaptive_speculation and settings.num_speculative_tokens > 0:
+            costs = measure_forward_costs(target.model, settings.num_speculative_tokens + 1)
+            log.info(
+                "target forward costs (ms) for 1..%d tokens: %s",
+                len(costs),
+                [round(c * 1e3, 1) for c in costs],
+            )
+            policy = DraftPolicy(costs)
+        engine = Engine(target, drafters, memories, policy)
         return cls(settings, target, engine, store, namespaces, draft)
 
     def close(self) -> None:

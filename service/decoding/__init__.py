@@ -4,6 +4,7 @@ Imports torch and transformers only; the service and the OCM store meet it throu
 and the plain dataclasses in `types`.
 """
 
+from service.decoding.draft_policy import DraftPolicy
 from service.decoding.drafters import Drafter, ModelDrafter, NgramDrafter
 from service.decoding.engine import Engine, Generation
 from service.decoding.models import LoadedModel, check_same_vocabulary, load_model, vocabulary_hash
@@ -23,6 +24,7 @@ from service.decoding.verification import DivergenceMemory
 __all__ = [
     "DecodingError",
     "DivergenceMemory",
+    "DraftPolicy",
     "Drafter",
     "EmittedToken",
     "Engine",

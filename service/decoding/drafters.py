@@ -27,6 +27,8 @@ class Draft:
     tokens: list[int]
     # [len(tokens), V] the draft's sampling distributions, or None for a point mass (greedy or n-gram)
     probs: torch.Tensor | None = None
+    # what the draft policy learns acceptance per: the matched n-gram length, 0 for a draft model
+    key: int = 0
 
 
 class DrafterSession(Protocol):
@@ -37,6 +39,9 @@ class DrafterSession(Protocol):
 
 class Drafter(Protocol):
     name: str  # "ngram" or "model"; labels metrics and namespaces the OCM
+    # True when proposing costs next to nothing (n-gram lookup): the draft policy then sees the draft before
+    # choosing its length; for a draft model it chooses first, so no draft forward is wasted.
+    cheap: bool
 
     @property
     def identity(self) -> str:
@@ -57,6 +62,7 @@ class NgramDrafter:
     """
 
     name = "ngram"
+    cheap = True
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
@@ -95,7 +101,7 @@ class NgramSession:
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             end = self._index.get(tuple(committed[length - n :]))
             if end is not None:
-                return Draft(list(committed[end + 1 : end + 1 + k]))
+                return Draft(list(committed[end + 1 : end + 1 + k]), key=n)
         return Draft([])
 
 
@@ -106,6 +112,7 @@ class ModelDrafter:
     """Any causal LM sharing the target's vocabulary (a small model of the target's family)."""
 
     name = "model"
+    cheap = False
 
     def __init__(self, draft: LoadedModel) -> None:
         self.draft = draft

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
+from service.decoding.draft_policy import DraftPolicy
 from service.decoding.drafters import Draft, Drafter, DrafterSession
 from service.decoding.kv_cache import crop_cache
 from service.decoding.models import LoadedModel
@@ -75,6 +76,7 @@ class Generation:
         drafter: Drafter | None = None,
         memory: DivergenceMemory | None = None,
         record_strict: bool = False,
+        policy: DraftPolicy | None = None,
     ) -> None:
         if not prompt_ids:
             raise DecodingError("prompt must not be empty")
@@ -96,6 +98,8 @@ class Generation:
                 self.generator.manual_seed(sampling.seed)
             else:
                 self.generator.seed()
+        self.drafter = drafter
+        self.policy = policy or DraftPolicy()
         self.drafter_session: DrafterSession | None = (
             drafter.start(sampling, self.generator) if spec.speculates and drafter is not None else None
         )
@@ -136,10 +140,27 @@ class Generation:
                 # The cache now holds committed + draft; keep committed + the kept draft tokens. The round's
                 # last token (recovered / bonus) is not in it: the next round's forward adds it.
                 crop_cache(cache, len(committed) + verdict.round.num_kept)
+            if draft_tokens:
+                self.policy.observe(self.drafter.name, draft.key, len(draft_tokens), verdict.round.num_kept)
             step = self._emit(verdict, committed, detok, stops)
             self.stats.add_round(verdict.round)
             self.stats.decode_seconds += time.perf_counter() - round_started
             yield step
+
+    def _propose(self, committed: list[int]) -> Draft:
+        """The draft this round verifies: within the token budget, and as long as the policy finds worth it."""
+        k = self._draft_budget(len(committed))
+        if not k or self.drafter_session is None:
+            return Draft([])
+        name = self.drafter.name
+        if self.drafter.cheap:
+            draft = self.drafter_session.propose(committed, k)
+            length = self.policy.choose(name, draft.key, min(k, len(draft.tokens)))
+        else:
+            length = self.policy.choose(name, 0, k)
+            draft = self.drafter_session.propose(committed, length) if length else Draft([])
+        probs = draft.probs[:length] if draft.probs is not None else None
+        return Draft(draft.tokens[:length], probs, draft.key)
 
     def _draft_budget(self, committed_len: int) -> int:
         remaining = self.sampling.max_tokens - len(self.tokens)
@@ -152,9 +173,14 @@ class Generation:
     def _verify(self, draft: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor) -> Verdict:
         if self.sampling.greedy:
             return verify_greedy(draft, logits, self.rescue)
-        probs = draft_probs[: len(draft)] if draft_probs is not None else None
         return verify_sampling(
-            draft, probs, logits, self.sampling.temperature, self.sampling.top_p, self.generator, self.rescue
+            draft,
+            draft_probs,
+            logits,
+            self.sampling.temperature,
+            self.sampling.top_p,
+            self.generator,
+            self.rescue,
         )
 
     def _emit(
@@ -202,10 +228,13 @@ class Engine:
         target: LoadedModel,
         drafters: dict[str, Drafter] | None = None,
         memories: dict[str, DivergenceMemory] | None = None,
+        policy: DraftPolicy | None = None,
     ) -> None:
         self.target = target
         self.drafters = drafters or {}
         self.memories = memories or {}  # drafter name -> the memory of the (target, drafter) pair
+        # Without measured forward costs the policy verifies every draft in full (fixed speculation).
+        self.policy = policy or DraftPolicy()
 
     def generate(
         self,
@@ -229,6 +258,7 @@ class Engine:
             drafter=chosen,
             memory=self.memories.get(drafter),
             record_strict=record_strict,
+            policy=self.policy,
         )
 
 

@@ -62,3 +62,15 @@ def test_csd_with_infinite_lambda_equals_sd(engine, embedded):
     csd = run(engine, ids, "csd", lambda_=math.inf)
     assert [t.token_id for t in csd.tokens] == [t.token_id for t in sd.tokens]
     assert csd.stats.num_rescued == 0
+
+
+def test_sd_with_adaptive_draft_policy_equals_vanilla(embedded):
+    """The policy only shortens drafts; strict verification stays lossless whatever it chooses."""
+    from service.decoding import DraftPolicy
+
+    policy = DraftPolicy([1.0, 1.8, 1.9, 2.0, 2.0, 2.1, 2.1], explore_every=3)
+    engine = Engine(embedded, {"ngram": NgramDrafter()}, policy=policy)
+    ids = encode_chat(embedded.tokenizer, [{"role": "user", "content": PROMPTS[1]}])
+    vanilla = run(engine, ids, "vanilla")
+    sd = run(engine, ids, "sd")
+    assert [t.token_id for t in sd.tokens] == [t.token_id for t in vanilla.tokens]
