@@ -1,0 +1,331 @@
+"""deploy/k8s: every manifest, base and rendered overlays, validates against the Kubernetes schemas offline
+(kubernetes-validate, strict), the ServiceMonitor against a schema checked in here; the pieces fit together
+(selectors, ports, names, settings); and Redis really runs with the StatefulSet's arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import urllib.parse
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import redis
+import yaml
+from kubernetes_validate.utils import latest_version
+
+from tests.deploy.kustomize_lite import render
+from tests.deploy.support import (
+    GAUGES,
+    K8S,
+    container,
+    container_environment,
+    dockerfile_user,
+    expand_kubernetes_variables,
+    find,
+    free_port,
+    load_yaml_documents,
+    metric_names,
+    pod_spec,
+    redis_server,
+    selector_matches,
+    settings_from_environment,
+)
+
+KUSTOMIZATIONS = ["base", "overlays/cpu", "overlays/gpu"]
+OVERLAYS = ["overlays/cpu", "overlays/gpu"]
+# The oldest schemas kubernetes-validate ships, and the newest.
+KUBERNETES_VERSIONS = ["1.25", latest_version()]
+SECRET_EXAMPLE = K8S / "secret.example.yaml"
+ADAPTER_VALUES = K8S / "prometheus-adapter" / "values.yaml"
+SERVICE_MONITOR_SCHEMA = json.loads(
+    (K8S.parents[1] / "tests/deploy/schemas/servicemonitor-monitoring-v1.json").read_text()
+)
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {k: render(K8S / k) for k in KUSTOMIZATIONS}
+
+
+@pytest.fixture(scope="module")
+def example_secrets() -> dict[str, dict[str, str]]:
+    (secret,) = load_yaml_documents(SECRET_EXAMPLE)
+    return {secret["metadata"]["name"]: secret["stringData"]}
+
+
+def _serve(resources):
+    return find(resources, "Deployment", "csd-serve")
+
+
+def _redis(resources):
+    return find(resources, "StatefulSet", "csd-redis")
+
+
+# ---------------------------------------------------------------- schemas
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_rendered_manifests_validate_against_kubernetes_schemas(rendered, kustomization, version):
+    resources = rendered[kustomization]
+    assert resources
+    for resource in resources:
+        if resource["kind"] == "ServiceMonitor":
+            continue  # a CRD: see the next test
+        try:
+            kubernetes_validate.validate(resource, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            pytest.fail(
+                f"{kustomization}: {resource['kind']}/{resource['metadata']['name']} at {path}: {exc.message}"
+            )
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_secret_example_validates(version):
+    for resource in load_yaml_documents(SECRET_EXAMPLE):
+        kubernetes_validate.validate(resource, version, strict=True)
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_service_monitor_validates_against_the_checked_in_schema(rendered, kustomization):
+    monitor = find(rendered[kustomization], "ServiceMonitor")
+    jsonschema.validate(monitor, SERVICE_MONITOR_SCHEMA)
+
+
+def test_service_monitor_schema_catches_mistakes(rendered):
+    monitor = find(rendered["base"], "ServiceMonitor")
+    for mistake in ({"intervall": "15s"}, {"interval": "15 seconds"}, {"path": "metrics"}):
+        broken = json.loads(json.dumps(monitor))
+        broken["spec"]["endpoints"][0].update(mistake)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, SERVICE_MONITOR_SCHEMA)
+
+
+def test_schema_validation_catches_mistakes(rendered):
+    """The strict validation is not a formality: a misspelt field and a wrongly typed one are refused."""
+    deployment = _serve(rendered["base"])
+    for mutate in (
+        lambda d: pod_spec(d).update(terminationGracePeriod=150),
+        lambda d: container(d, "csd-serve")["ports"][0].update(containerPort="8000"),
+    ):
+        broken = json.loads(json.dumps(deployment))
+        mutate(broken)
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+# ---------------------------------------------------------------- the service
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_service_settings_are_valid(rendered, example_secrets, overlay):
+    resources = rendered[overlay]
+    env = container_environment(resources, container(_serve(resources), "csd-serve"), example_secrets)
+    settings = settings_from_environment(env)
+    assert settings.host == "0.0.0.0"
+    port = container(_serve(resources), "csd-serve")["ports"][0]
+    assert settings.port == port["containerPort"]
+    mounts = {m["mountPath"] for m in container(_serve(resources), "csd-serve")["volumeMounts"]}
+    assert settings.cache_dir.as_posix() in mounts
+    # The Redis URL carries the Secret's password and names the Redis Service and its port.
+    url = urllib.parse.urlsplit(settings.redis_url.get_secret_value())
+    redis_service = find(resources, "Service", url.hostname)
+    redis_labels = _redis(resources)["spec"]["template"]["metadata"]["labels"]
+    assert selector_matches({"matchLabels": redis_service["spec"]["selector"]}, redis_labels)
+    assert url.port in {p["port"] for p in redis_service["spec"]["ports"]}
+    assert url.password == example_secrets["csd-serve-secrets"]["redis-password"]
+    keys = example_secrets["csd-serve-secrets"]["api-keys"].split(",")
+    assert [k.get_secret_value() for k in settings.api_keys] == keys
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_and_graceful_termination(rendered, example_secrets, overlay):
+    resources = rendered[overlay]
+    deployment = _serve(resources)
+    spec = container(deployment, "csd-serve")
+    port_names = {p["name"] for p in spec["ports"]}
+    probes = {kind: spec[kind] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert probes["startupProbe"]["httpGet"]["path"] == "/ready"
+    assert probes["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert probes["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert all(p["httpGet"]["port"] in port_names for p in probes.values())
+    startup_budget_s = probes["startupProbe"]["periodSeconds"] * probes["startupProbe"]["failureThreshold"]
+    assert startup_budget_s >= 600, "a first model load (conversion or download) needs minutes"
+
+    settings = settings_from_environment(container_environment(resources, spec, example_secrets))
+    pre_stop = spec["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    grace = pod_spec(deployment)["terminationGracePeriodSeconds"]
+    assert settings.shutdown_grace_s >= settings.request_timeout_s, (
+        "draining must outlast the longest request"
+    )
+    assert grace > int(pre_stop[1]) + settings.shutdown_grace_s, "SIGKILL would cut the drain short"
+
+
+def test_gpu_overlay_asks_for_a_gpu_and_cpu_overlay_does_not(rendered, example_secrets):
+    gpu, cpu = rendered["overlays/gpu"], rendered["overlays/cpu"]
+    gpu_spec = container(_serve(gpu), "csd-serve")
+    assert int(gpu_spec["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    gpu_toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    assert gpu_toleration in pod_spec(_serve(gpu))["tolerations"]
+    assert pod_spec(_serve(gpu))["nodeSelector"]
+    assert settings_from_environment(container_environment(gpu, gpu_spec, example_secrets)).device == "cuda"
+    gpu_startup = gpu_spec["startupProbe"]["failureThreshold"] * gpu_spec["startupProbe"]["periodSeconds"]
+
+    cpu_spec = container(_serve(cpu), "csd-serve")
+    assert "nvidia.com/gpu" not in cpu_spec["resources"].get("limits", {})
+    assert "tolerations" not in pod_spec(_serve(cpu))
+    assert settings_from_environment(container_environment(cpu, cpu_spec, example_secrets)).device == "cpu"
+    cpu_startup = cpu_spec["startupProbe"]["failureThreshold"] * cpu_spec["startupProbe"]["periodSeconds"]
+    assert gpu_startup >= cpu_startup
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_one_worker_non_root_and_a_tagged_image(rendered, overlay):
+    deployment = _serve(rendered[overlay])
+    spec = container(deployment, "csd-serve")
+    assert spec["args"] == ["serve"], "the image's entrypoint is `csd`: one `csd serve` process per pod"
+    image = spec["image"]
+    assert re.fullmatch(r"[^:@]+(:[\w.-]+|@sha256:[0-9a-f]{64})", image) and not image.endswith(":latest")
+    uid, gid = dockerfile_user()
+    security = pod_spec(deployment)["securityContext"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] == uid and security["runAsGroup"] == gid
+    assert spec["securityContext"]["allowPrivilegeEscalation"] is False
+    assert "replicas" not in deployment["spec"], "the HorizontalPodAutoscaler owns the replica count"
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_service_and_service_monitor_reach_the_pods(rendered, kustomization):
+    resources = rendered[kustomization]
+    deployment = _serve(resources)
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert selector_matches(deployment["spec"]["selector"], labels)
+    service = find(resources, "Service", "csd-serve")
+    assert selector_matches({"matchLabels": service["spec"]["selector"]}, labels)
+    container_ports = {p["name"] for p in container(deployment, "csd-serve")["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= container_ports
+    monitor = find(resources, "ServiceMonitor")
+    assert selector_matches(monitor["spec"]["selector"], service["metadata"]["labels"])
+    service_ports = {p["name"] for p in service["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["port"] in service_ports and endpoint["path"] == "/metrics"
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_autoscaler_and_disruption_budget(rendered, kustomization):
+    resources = rendered[kustomization]
+    deployment = _serve(resources)
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    hpa = find(resources, "HorizontalPodAutoscaler")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    # The metric the adapter serves, from the series the service exports.
+    adapter_rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]
+    served = {rule["name"]["as"]: rule for rule in adapter_rules}
+    assert metric["pods"]["metric"]["name"] in served
+    series = metric_names(served[metric["pods"]["metric"]["name"]]["seriesQuery"])
+    assert series and series <= GAUGES
+
+    pdb = find(resources, "PodDisruptionBudget")
+    assert selector_matches(pdb["spec"]["selector"], labels)
+    if "maxUnavailable" in pdb["spec"]:
+        assert int(pdb["spec"]["maxUnavailable"]) >= 1, "a budget of 0 blocks every node drain"
+    else:
+        assert int(pdb["spec"]["minAvailable"]) < hpa["spec"]["minReplicas"]
+
+
+# ---------------------------------------------------------------- Redis
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_redis_persists_and_only_the_service_reaches_it(rendered, kustomization):
+    resources = rendered[kustomization]
+    statefulset = _redis(resources)
+    spec = container(statefulset, "redis")
+    args = spec["args"]
+    option = {args[i]: args[i + 1] for i in range(0, len(args) - 1) if args[i].startswith("--")}
+    assert option["--appendonly"] == "yes"
+    assert option["--requirepass"] == "$(REDIS_PASSWORD)"
+    password_ref = next(e for e in spec["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]["secretKeyRef"]
+    assert password_ref == {"name": "csd-serve-secrets", "key": "redis-password"}
+    (claim,) = statefulset["spec"]["volumeClaimTemplates"]
+    assert {"name": claim["metadata"]["name"], "mountPath": option["--dir"]} in spec["volumeMounts"]
+    service = find(resources, "Service", statefulset["spec"]["serviceName"])
+    redis_labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    assert selector_matches({"matchLabels": service["spec"]["selector"]}, redis_labels)
+    redis_port = spec["ports"][0]["containerPort"]
+    assert int(option["--port"]) == redis_port
+
+    policy = find(resources, "NetworkPolicy")
+    assert selector_matches(policy["spec"]["podSelector"], redis_labels)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": redis_port}]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}, "same-namespace pods only"
+    workloads = [r for r in resources if r["kind"] in ("Deployment", "StatefulSet")]
+    admitted = {
+        w["metadata"]["name"]
+        for w in workloads
+        if selector_matches(peer["podSelector"], w["spec"]["template"]["metadata"]["labels"])
+    }
+    assert admitted == {"csd-serve"}
+
+
+def test_secret_example_holds_every_referenced_key_and_is_never_applied(rendered, example_secrets):
+    referenced = set()
+    for resources in rendered.values():
+        for workload in (r for r in resources if r["kind"] in ("Deployment", "StatefulSet")):
+            for c in pod_spec(workload)["containers"]:
+                for item in c.get("env", []):
+                    ref = item.get("valueFrom", {}).get("secretKeyRef")
+                    if ref:
+                        referenced.add((ref["name"], ref["key"]))
+        assert not [r for r in resources if r["kind"] == "Secret"], (
+            "no Secret may be rendered from the repository"
+        )
+    assert referenced == {(name, key) for name, data in example_secrets.items() for key in data}
+    assert all("CHANGE-ME" in value for data in example_secrets.values() for value in data.values())
+    for path in K8S.rglob("kustomization.yaml"):
+        assert SECRET_EXAMPLE.name not in path.read_text().split("#")[0]
+
+
+def test_redis_starts_with_the_statefulset_arguments(rendered, example_secrets, tmp_path):
+    """Run the real redis-server with the manifest's command and arguments (port and data folder moved to a
+    free port and a temporary folder): it requires the password, writes an append-only file, and the probes'
+    command says healthy only with the password."""
+    resources = rendered["overlays/cpu"]
+    spec = container(_redis(resources), "redis")
+    env = container_environment(resources, spec, example_secrets)
+    argv = [expand_kubernetes_variables(a, env) for a in spec["command"] + spec["args"]]
+    port = free_port()
+    argv[argv.index("--port") + 1] = str(port)
+    argv[argv.index("--dir") + 1] = str(tmp_path)
+    password = env["REDIS_PASSWORD"]
+    with redis_server(tmp_path, argv[1:], port):
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        client = redis.Redis(port=port, password=password)
+        assert client.ping()
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        client.set("csd:probe", "1")
+        assert any(p.name.startswith("appendonly") for p in tmp_path.iterdir())
+        probe = spec["readinessProbe"]["exec"]["command"]
+        assert probe == spec["livenessProbe"]["exec"]["command"]
+        probe = [p.replace("redis-cli", f"redis-cli -p {port}") for p in probe]
+        ok = subprocess.run(
+            probe, env={"PATH": os.environ["PATH"], "REDISCLI_AUTH": env["REDISCLI_AUTH"]}, timeout=10
+        )
+        assert ok.returncode == 0
+        bad = subprocess.run(
+            probe, env={"PATH": os.environ["PATH"], "REDISCLI_AUTH": "wrong"}, timeout=10, capture_output=True
+        )
+        assert bad.returncode != 0
