@@ -46,10 +46,12 @@ def create_app(
     app = FastAPI(title="csd-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.csd = state
     install_error_handlers(app)
-    for module in (completions, models, health, metrics, ocm):
-        app.include_router(module.router)
+    routers = [module.router for module in (completions, models, health, metrics, ocm)]
+    for router in routers:
+        app.include_router(router)
     # add_middleware wraps: the last added runs first, so the metrics middleware sees every response,
     # 413s from the body limit included.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
-    app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
+    paths = frozenset(route.path for router in routers for route in router.routes)  # type: ignore[attr-defined]
+    app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics, paths=paths)
     return app

@@ -97,7 +97,7 @@ class ServiceMetrics:
         )
         self.tokens_per_forward = Histogram(
             "csd_tokens_per_target_forward",
-            "Tokens one target forward produced (kept draft tokens + the recovered or bonus token).",
+            "Tokens one target forward produced: kept draft tokens + 1 (recovered, bonus or plain).",
             SPEC_LABELS,
             buckets=tuple(float(i) for i in range(1, num_speculative_tokens + 2)),
             registry=r,
@@ -130,7 +130,8 @@ class ServiceMetrics:
         """One target forward's worth of speculation statistics."""
         labels = (method, drafter)
         self.target_forwards.labels(*labels).inc()
-        self.tokens_per_forward.labels(*labels).observe(r.num_kept + r.num_recovered + r.num_bonus)
+        # Every forward yields its kept draft tokens plus exactly one target token (recovered, bonus or plain).
+        self.tokens_per_forward.labels(*labels).observe(r.num_kept + 1)
         if r.num_draft_tokens:
             self.num_drafts.labels(*labels).inc()
             self.num_draft_tokens.labels(*labels).inc(r.num_draft_tokens)

@@ -15,9 +15,10 @@ from service.api.metrics import ServiceMetrics
 
 
 class RequestMetricsMiddleware:
-    def __init__(self, app: ASGIApp, metrics: ServiceMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServiceMetrics, paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.metrics = metrics
+        self.paths = paths  # the app's route paths, for responses sent before routing (413)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -38,9 +39,10 @@ class RequestMetricsMiddleware:
                 status = 500
             raise
         finally:
-            route = scope.get("route")
-            # The route's template, never the raw path: unknown paths must not grow the label set.
-            endpoint = getattr(route, "path", None) or "unmatched"
+            # The route's template, never a raw unknown path: those must not grow the label set.
+            endpoint = getattr(scope.get("route"), "path", None)
+            if endpoint is None:
+                endpoint = scope["path"] if scope["path"] in self.paths else "unmatched"
             code = status if status is not None else CLIENT_CLOSED_REQUEST
             self.metrics.requests.labels(endpoint, str(code)).inc()
 

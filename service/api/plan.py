@@ -153,6 +153,8 @@ def check_request(
     if refused is not None:
         raise unsupported(*refused)
     check_model(body.model, runtime)
+    if any(not s for s in body.stop_list):
+        raise bad_request("stop strings must not be empty", param="stop")
     requested = body.requested_max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
     if requested is not None and requested > settings.max_tokens_cap:
         param = (
