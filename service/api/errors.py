@@ -94,6 +94,8 @@ def _validation_message(error: dict[str, Any]) -> tuple[str, str | None]:
         return f"the request body is not valid JSON ({reason})", None
     if error.get("type") == "missing":
         return f"{param} is required", param
+    if param is None and error.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return "the request body must be a JSON object, sent with Content-Type: application/json", None
     msg = error.get("msg", "invalid value")
     return (f"{param}: {msg}" if param else msg), param
 

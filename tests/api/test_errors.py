@@ -76,6 +76,16 @@ def test_malformed_json(api_server: Server) -> None:
     assert "not valid JSON" in error["message"]
 
 
+def test_body_must_be_a_json_object(api_server: Server) -> None:
+    with api_server.client() as http:
+        for kwargs in (
+            {"json": [COMPLETION]},
+            {"content": b'{"model": "x", "prompt": "y"}', "headers": {"Content-Type": "text/plain"}},
+        ):
+            error = assert_openai_error(http.post("/v1/completions", **kwargs), 400, param=None)
+            assert "must be a JSON object" in error["message"]
+
+
 def test_prompt_longer_than_the_context(api_server: Server) -> None:
     with api_server.client() as http:
         response = http.post("/v1/completions", json={**COMPLETION, "prompt": "hello " * 9000})
