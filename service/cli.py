@@ -372,15 +372,17 @@ def read_prompt_file_like(path: str) -> Iterator[dict]:
 
 # ---------------------------------------------------------------- serve
 
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.api.server import bind_socket, serve
 
     settings = settings_from_args(args)
-    level = args.log_level.upper()
+    log_level = args.log_level or os.environ.get("CSD_LOG_LEVEL", "info").lower()
     # Our own loggers follow --log-level too (the root logger stays at CSD_LOG_LEVEL for libraries).
     for name in ("service", "ocm_store"):
-        logging.getLogger(name).setLevel(level)
+        logging.getLogger(name).setLevel(log_level.upper())
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
@@ -394,7 +396,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    error = serve(settings, log_level=args.log_level, sock=sock)
+    error = serve(settings, log_level=log_level, sock=sock)
     if error is not None:
         raise CLIError(f"cannot start: {error}")
     return 0
@@ -438,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         dest="api_keys",
         action="append",
+        metavar="KEY",
         help="accepted Bearer key (repeatable; prefer CSD_API_KEYS=k1,k2: flags show up in ps)",
     )
     g.add_argument("--served-model-name", help="model id shown by the API (default: the model's name)")
@@ -445,17 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens-cap", type=int, help="largest max_tokens a request may ask for")
     g.add_argument("--default-max-tokens", type=int, help="max_tokens of requests that send none")
     g.add_argument("--default-temperature", type=float, help="temperature of requests that send none (0)")
-    g.add_argument("--request-timeout", dest="request_timeout_s", type=float, help="seconds per request")
+    g.add_argument("--request-timeout", dest="request_timeout_s", type=float, metavar="SECONDS")
     g.add_argument("--max-body-bytes", type=int, help="largest request body; larger gets 413")
     g.add_argument(
-        "--shutdown-grace", dest="shutdown_grace_s", type=float, help="seconds to drain on SIGTERM"
+        "--shutdown-grace", dest="shutdown_grace_s", type=float, metavar="SECONDS", help="to drain on SIGTERM"
     )
     g.add_argument("--torch-threads", type=int, help="torch intra-op threads")
-    g.add_argument(
-        "--log-level",
-        default=os.environ.get("CSD_LOG_LEVEL", "info").lower(),
-        choices=["critical", "error", "warning", "info", "debug"],
-    )
+    g.add_argument("--log-level", choices=LOG_LEVELS, help="default: CSD_LOG_LEVEL, or info")
     _add_model_options(srv)
     _add_speculation_options(srv)
     srv.set_defaults(func=cmd_serve)
@@ -482,9 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=os.environ.get("CSD_LOG_LEVEL", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
-    )
+    log_level = os.environ.get("CSD_LOG_LEVEL", "WARNING")
+    if log_level.lower() not in LOG_LEVELS:
+        print(f"csd: error: CSD_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if getattr(args, "lambda_", None) is not None and math.isnan(args.lambda_):
         print("csd: error: lambda must be a number >= 0", file=sys.stderr)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -41,8 +40,9 @@ def sse(data: dict) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-def admit(state: ServiceState, worker: EngineWorker, plan: GenerationPlan) -> Job:
-    job = Job(plan, asyncio.get_running_loop(), time.monotonic() + state.settings.request_timeout_s)
+def admit(state: ServiceState, worker: EngineWorker, plan: GenerationPlan, arrived: float) -> Job:
+    deadline = arrived + state.settings.request_timeout_s
+    job = Job(plan, asyncio.get_running_loop(), deadline, arrived=arrived)
     try:
         worker.submit(job)
     except QueueFull as full:
@@ -95,8 +95,10 @@ async def respond(
     plan: GenerationPlan,
     formatter: Formatter,
     stream: bool,
+    arrived: float,
 ) -> Response:
-    job = admit(state, worker, plan)
+    """`arrived`: time.monotonic() when the request came in; its timeout and latency metrics count from it."""
+    job = admit(state, worker, plan, arrived)
     try:
         async with cancel_on_disconnect(request, worker, job):
             if stream:

@@ -84,11 +84,17 @@ class QueueFull(Exception):
 class Job:
     """One admitted generation. Events arrive on `events` (an asyncio queue of the submitting loop)."""
 
-    def __init__(self, plan: GenerationPlan, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+    def __init__(
+        self,
+        plan: GenerationPlan,
+        loop: asyncio.AbstractEventLoop,
+        deadline: float,
+        arrived: float | None = None,
+    ) -> None:
         self.plan = plan
         self.loop = loop
         self.deadline = deadline  # time.monotonic() by which the job must be done
-        self.arrived = time.monotonic()
+        self.arrived = arrived if arrived is not None else time.monotonic()  # when the request came in
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancelled = threading.Event()
         self.cancel_reason = ""
@@ -220,6 +226,9 @@ class EngineWorker:
             started = time.monotonic()
             try:
                 self._generate(job)
+            except Exception:  # the thread must survive anything: it is the only one that generates
+                log.exception("engine worker failed on a job")
+                job._deliver(ErrorEvent(_engine_failure()))
             finally:
                 with self._lock:
                     self._running = None

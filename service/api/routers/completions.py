@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -56,9 +58,10 @@ def _responses(body_model: type, chunk_model: type) -> dict[int | str, dict]:
 async def create_completion(
     body: CompletionRequest, request: Request, state: State, runtime: ServingRuntime, worker: ServingWorker
 ) -> Response:
+    arrived = time.monotonic()
     plan = await plan_completion(body, state.settings, runtime)
     formatter = CompletionFormatter(runtime.model_id, plan, include_usage=body.include_usage)
-    return await respond(request, state, worker, plan, formatter, stream=body.stream)
+    return await respond(request, state, worker, plan, formatter, stream=body.stream, arrived=arrived)
 
 
 @router.post(
@@ -73,6 +76,7 @@ async def create_chat_completion(
     runtime: ServingRuntime,
     worker: ServingWorker,
 ) -> Response:
+    arrived = time.monotonic()
     plan = await plan_chat(body, state.settings, runtime)
     formatter = ChatFormatter(runtime.model_id, plan, include_usage=body.include_usage)
-    return await respond(request, state, worker, plan, formatter, stream=body.stream)
+    return await respond(request, state, worker, plan, formatter, stream=body.stream, arrived=arrived)
