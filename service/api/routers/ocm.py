@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import Authorized, ServingRuntime
+from service.api.errors import UNAVAILABLE, APIError
 from service.api.schemas import ErrorResponse, OCMNamespaceTop, OCMPattern, OCMTop
 from service.runtime import Runtime
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/ocm", tags=["ocm"], dependencies=[Authorized])
 
@@ -32,10 +36,18 @@ def _top(runtime: Runtime, n: int) -> OCMTop:
     return OCMTop(data=data)
 
 
-@router.get("/top", response_model=OCMTop, responses={401: {"model": ErrorResponse}})
+@router.get(
+    "/top", response_model=OCMTop, responses={401: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+)
 async def top_patterns(
     runtime: ServingRuntime, n: Annotated[int, Query(ge=1, le=1000, description="patterns per drafter")] = 20
 ) -> OCMTop:
     """The n most frequent (draft token, target token) divergence patterns of each drafter this server
     runs, most frequent first."""
-    return await run_in_threadpool(_top, runtime, n)
+    try:
+        return await run_in_threadpool(_top, runtime, n)
+    except Exception as exc:  # e.g. a shared store that cannot be reached: decoding goes on without it
+        log.warning("OCM top failed: %s", exc)
+        raise APIError(
+            503, "the OCM store cannot be read right now", type=UNAVAILABLE, code="ocm_unavailable"
+        ) from None
