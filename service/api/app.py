@@ -1,0 +1,57 @@
+"""The app factory: `create_app(settings)` builds one FastAPI app with its own state and metrics registry.
+
+No module-level app and no globals: tests and tools may build several apps in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from service import __version__
+from service.api.errors import install_error_handlers
+from service.api.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
+from service.api.routers import completions, health, metrics, models, ocm
+from service.api.state import ServiceState
+from service.config import Settings
+from service.runtime import Runtime
+
+DESCRIPTION = """An OpenAI-compatible LLM service with Calibrated Speculative Decoding (CSD, arXiv 2604.13634).
+
+The `speculative` request object overrides the server's speculation settings per request; every response
+carries `speculative` statistics next to `usage`. Errors use OpenAI's shape:
+`{"error": {"message", "type", "param", "code"}}`."""
+
+
+def create_app(
+    settings: Settings,
+    runtime: Runtime | None = None,
+    *,
+    on_fatal: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """An app serving `settings`. With `runtime`, it serves that (already loaded) runtime; without, the
+    lifespan loads one in a background thread. `on_fatal(message)` is called if loading fails."""
+    state = ServiceState(settings, runtime, on_fatal=on_fatal)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="csd-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.csd = state
+    install_error_handlers(app)
+    routers = [module.router for module in (completions, models, health, metrics, ocm)]
+    for router in routers:
+        app.include_router(router)
+    # add_middleware wraps: the last added runs first, so the metrics middleware sees every response,
+    # 413s from the body limit included.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    paths = frozenset(route.path for router in routers for route in router.routes)  # type: ignore[attr-defined]
+    app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics, paths=paths)
+    return app

@@ -1,0 +1,100 @@
+"""Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer streaming responses).
+
+- `RequestMetricsMiddleware` counts every HTTP response by route and status code, including the ones that
+  never reach a route (401, 404, 413, 429, 5xx).
+- `BodyLimitMiddleware` refuses request bodies over the limit with 413 before any parsing: at once when
+  Content-Length says so, or as soon as a chunked body grows past it.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api.errors import CLIENT_CLOSED_REQUEST, APIError, error_response
+from service.api.metrics import ServiceMetrics
+
+
+class RequestMetricsMiddleware:
+    def __init__(self, app: ASGIApp, metrics: ServiceMetrics, paths: frozenset[str] = frozenset()) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.paths = paths  # the app's route paths, for responses sent before routing (413)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except BaseException:
+            if status is None:
+                status = 500
+            raise
+        finally:
+            # The route's template, never a raw unknown path: those must not grow the label set.
+            endpoint = getattr(scope.get("route"), "path", None)
+            if endpoint is None:
+                endpoint = scope["path"] if scope["path"] in self.paths else "unmatched"
+            code = status if status is not None else CLIENT_CLOSED_REQUEST
+            self.metrics.requests.labels(endpoint, str(code)).inc()
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.max_body_bytes} bytes",
+            code="request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > self.max_body_bytes:
+                    await error_response(self._too_large())(scope, receive, send)
+                    return
+        # Read the body here (it is small: at most the limit) and replay it; later receive() calls go to
+        # the server, so the app still hears about a client that disconnects.
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending its body
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                await error_response(self._too_large())(scope, receive, send)
+                return
+            chunks.append(body)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

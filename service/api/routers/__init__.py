@@ -1,0 +1,1 @@
+"""One router per concern: generation (completions + chat), models, health/readiness, metrics, OCM."""

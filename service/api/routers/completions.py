@@ -1,0 +1,82 @@
+"""POST /v1/completions and POST /v1/chat/completions (JSON, or SSE with `stream: true`)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from service.api.deps import Authorized, ServingRuntime, ServingWorker, State
+from service.api.plan import plan_chat, plan_completion
+from service.api.responses import ChatFormatter, CompletionFormatter
+from service.api.schemas import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+)
+from service.api.streaming import respond
+
+router = APIRouter(prefix="/v1", tags=["generation"], dependencies=[Authorized])
+
+_ERRORS: dict[int | str, dict] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in {
+        400: "invalid or unsupported request",
+        401: "missing or wrong API key",
+        404: "unknown model",
+        413: "request body too large",
+        429: "queue full; see Retry-After",
+        500: "the engine failed",
+        503: "not ready or shutting down",
+        504: "the request timed out",
+    }.items()
+}
+
+
+def _responses(body_model: type, chunk_model: type) -> dict[int | str, dict]:
+    return {
+        200: {
+            "model": body_model,
+            "description": f"the completion; with `stream: true`, Server-Sent Events: `data: {{{chunk_model.__name__}}}`"
+            " events, then `data: [DONE]`",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        **_ERRORS,
+    }
+
+
+@router.post(
+    "/completions",
+    response_model=None,
+    responses=_responses(CompletionResponse, CompletionChunk),
+)
+async def create_completion(
+    body: CompletionRequest, request: Request, state: State, runtime: ServingRuntime, worker: ServingWorker
+) -> Response:
+    arrived = time.monotonic()
+    plan = await plan_completion(body, state.settings, runtime)
+    formatter = CompletionFormatter(runtime.model_id, plan, include_usage=body.include_usage)
+    return await respond(request, state, worker, plan, formatter, stream=body.stream, arrived=arrived)
+
+
+@router.post(
+    "/chat/completions",
+    response_model=None,
+    responses=_responses(ChatCompletionResponse, ChatCompletionChunk),
+)
+async def create_chat_completion(
+    body: ChatCompletionRequest,
+    request: Request,
+    state: State,
+    runtime: ServingRuntime,
+    worker: ServingWorker,
+) -> Response:
+    arrived = time.monotonic()
+    plan = await plan_chat(body, state.settings, runtime)
+    formatter = ChatFormatter(runtime.model_id, plan, include_usage=body.include_usage)
+    return await respond(request, state, worker, plan, formatter, stream=body.stream, arrived=arrived)

@@ -1,0 +1,45 @@
+"""GET /health (liveness: the process answers) and GET /ready (readiness: a real generation works).
+
+Neither needs an API key: load balancers and orchestrators call them.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from service.api.deps import State
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health")
+async def health(state: State) -> JSONResponse:
+    """200 while the process serves HTTP, even while models load. 503 only when loading failed for good
+    (restarting is the cure)."""
+    if state.load_error is not None:
+        return JSONResponse({"status": "failed", "detail": state.load_error}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready")
+async def ready(state: State) -> JSONResponse:
+    """200 once the model is loaded and a target forward succeeded recently (or a 1-token probe just did);
+    503 while loading, when the probe fails, and while shutting down. Reports the OCM store's state."""
+    is_ready, body = await state.readiness()
+    if state.worker is not None:
+        body["requests"] = {"running": state.worker.running, "waiting": state.worker.waiting}
+    if state.runtime is not None:
+        try:
+            status = await run_in_threadpool(state.runtime.store.status)
+            body["ocm_store"] = {
+                "backend": status.backend,
+                "healthy": status.healthy,
+                "patterns": status.patterns,
+                "detail": status.detail,
+            }
+        except Exception as exc:  # a failing store degrades the service; it does not make it unready
+            body["ocm_store"] = {"healthy": False, "detail": f"status failed: {exc}"}
+    headers = {} if is_ready else {"Retry-After": "5"}
+    return JSONResponse(body, status_code=200 if is_ready else 503, headers=headers)

@@ -1,0 +1,30 @@
+"""GET /v1/models and GET /v1/models/{model}."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from service.api.deps import Authorized, ServingRuntime, State
+from service.api.errors import APIError
+from service.api.plan import served_names
+from service.api.schemas import ErrorResponse, ModelCard, ModelList
+
+router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Authorized])
+
+
+@router.get("/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
+async def list_models(state: State, runtime: ServingRuntime) -> ModelList:
+    return ModelList(data=[ModelCard(id=runtime.model_id, created=state.created)])
+
+
+@router.get(
+    "/models/{model:path}",
+    response_model=ModelCard,
+    responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}},
+)
+async def get_model(model: str, state: State, runtime: ServingRuntime) -> ModelCard:
+    if model not in served_names(runtime):
+        raise APIError(
+            404, f"the model {model!r} does not exist on this server", param="model", code="model_not_found"
+        )
+    return ModelCard(id=runtime.model_id, created=state.created)

@@ -1,0 +1,68 @@
+"""Run the app under uvicorn: what `csd serve` does.
+
+The CLI binds the socket itself, so a busy port is a one-line error (uvicorn would log and exit 1), and
+hooks uvicorn's signal handling, so that /ready turns 503 the moment SIGTERM arrives while the requests
+already running drain (up to shutdown_grace_s).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+
+from service.api.app import create_app
+from service.config import Settings
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket; raises OSError (address in use, unknown host, ...)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when a shutdown signal arrives (before connections drain)."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_signal()
+        super().handle_exit(sig, frame)
+
+
+def serve(settings: Settings, log_level: str = "info", sock: socket.socket | None = None) -> str | None:
+    """Serve until SIGINT/SIGTERM. Returns None after a clean shutdown, or the reason the model could not
+    be loaded (the server stops by itself then)."""
+    sock = sock or bind_socket(settings.host, settings.port)
+    fatal: list[str] = []
+    server: _Server | None = None
+
+    def on_fatal(message: str) -> None:
+        fatal.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_fatal=on_fatal)
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
+        server_header=False,
+    )
+    server = _Server(config, on_signal=app.state.csd.begin_shutdown)
+    server.run(sockets=[sock])
+    return fatal[0] if fatal else None

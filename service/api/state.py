@@ -1,0 +1,195 @@
+"""The state of one running service: settings, metrics, the runtime once loaded, the engine worker, and
+what readiness knows.
+
+Life cycle: `start()` (from the lifespan) loads the runtime in a thread, so /health answers while the
+models load; then the worker starts and a 1-token probe generation runs; /ready says 200 only once a real
+generation has succeeded. `begin_shutdown()` (a signal, or the lifespan ending) turns /ready and new
+requests to 503 while running requests drain; `stop()` cancels what is left and closes the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ocm_store.base import StoreStatus
+from service.api.errors import UNAVAILABLE, APIError
+from service.api.metrics import OCMStoreCollector, ServiceMetrics
+from service.api.worker import DoneEvent, EngineWorker, ErrorEvent, GenerationPlan, Job
+from service.config import Settings
+from service.decoding import DecodingError, Method, SamplingParams, SpeculativeConfig
+from service.decoding.text import encode_prompt
+from service.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+PROBE_PROMPT = "Hello"
+
+
+class ServiceState:
+    def __init__(
+        self,
+        settings: Settings,
+        runtime: Runtime | None = None,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = ServiceMetrics(settings.num_speculative_tokens)
+        self.metrics.registry.register(OCMStoreCollector(self.store_status))
+        self.runtime: Runtime | None = None
+        self._given_runtime = runtime
+        self.worker: EngineWorker | None = None
+        self.on_fatal = on_fatal
+        self.created = int(time.time())
+        self.load_error: str | None = None
+        self.shutting_down = False
+        self.last_forward_ok: float | None = None  # time.monotonic() of the last successful target forward
+        self.probe_error: str | None = None
+        self._probe_task: asyncio.Task[str | None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self._given_runtime is not None:
+            self._on_loaded(self._given_runtime, None)
+            return
+        # A daemon thread, not the loop's executor: a SIGTERM during a long model load must not wait for it.
+        threading.Thread(target=self._load, name="csd-load", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            runtime, error = Runtime.build(self.settings), None
+        except DecodingError as exc:
+            runtime, error = None, str(exc)
+        except Exception as exc:
+            log.exception("loading the runtime failed")
+            runtime, error = None, f"{type(exc).__name__}: {exc}"
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._on_loaded, runtime, error)
+        except RuntimeError:  # the server stopped while we were loading
+            if runtime is not None:
+                runtime.close()
+
+    def _on_loaded(self, runtime: Runtime | None, error: str | None) -> None:
+        if error is not None or runtime is None:
+            self.load_error = error or "unknown error"
+            log.error("cannot start: %s", self.load_error)
+            if self.on_fatal is not None:
+                self.on_fatal(self.load_error)
+            return
+        if self.shutting_down:
+            runtime.close()
+            return
+        self.runtime = runtime
+        settings = self.settings
+        default_drafter = settings.drafter if settings.speculative_config().speculates else "none"
+        self.metrics.touch(settings.method.value, default_drafter, settings.num_speculative_tokens)
+        self.worker = EngineWorker(runtime.engine, self.metrics, settings.max_queue, self._forward_ok)
+        self.worker.start()
+        log.info("model %s loaded; probing", runtime.model_id)
+        self._probe_task = asyncio.get_running_loop().create_task(self._probe())
+
+    def _forward_ok(self) -> None:  # called from the worker thread; one float assignment
+        self.last_forward_ok = time.monotonic()
+
+    def begin_shutdown(self) -> None:
+        if not self.shutting_down:
+            log.info("shutting down: refusing new requests, draining running ones")
+        self.shutting_down = True
+
+    async def stop(self) -> None:
+        self.begin_shutdown()
+        if self._probe_task is not None and not self._probe_task.done():
+            self._probe_task.cancel()
+        if self.worker is not None:
+            await asyncio.to_thread(self.worker.stop)
+        if self.runtime is not None:
+            await asyncio.to_thread(self.runtime.close)
+
+    # ------------------------------------------------------------ serving
+
+    def require_serving(self) -> tuple[Runtime, EngineWorker]:
+        """The runtime and worker, or a 503 saying why there are none."""
+        retry = {"Retry-After": "5"}
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", type=UNAVAILABLE, code="shutting_down")
+        if self.load_error is not None:
+            raise APIError(
+                503, f"the model failed to load: {self.load_error}", type=UNAVAILABLE, code="load_failed"
+            )
+        if self.runtime is None or self.worker is None:
+            raise APIError(
+                503, "the model is still loading", type=UNAVAILABLE, code="not_ready", headers=retry
+            )
+        return self.runtime, self.worker
+
+    def store_status(self) -> StoreStatus | None:
+        return self.runtime.store.status() if self.runtime is not None else None
+
+    # ------------------------------------------------------------ readiness
+
+    async def readiness(self) -> tuple[bool, dict]:
+        """(ready, body). Ready means: a target forward succeeded within ready_probe_interval_s, or a
+        1-token probe generation just did."""
+        if self.load_error is not None:
+            return False, {"status": "failed", "detail": self.load_error}
+        if self.shutting_down:
+            return False, {"status": "shutting_down"}
+        if self.runtime is None or self.worker is None:
+            return False, {"status": "loading", "model": self.settings.model}
+        age = None if self.last_forward_ok is None else time.monotonic() - self.last_forward_ok
+        if age is None or age > self.settings.ready_probe_interval_s:
+            error = await self.probe()
+            if error is not None:
+                return False, {"status": "unhealthy", "detail": error}
+            age = time.monotonic() - (self.last_forward_ok or time.monotonic())
+        return True, {"status": "ready", "model": self.runtime.model_id, "last_forward_age_s": round(age, 3)}
+
+    async def probe(self) -> str | None:
+        """Run (or join) a 1-token generation; None when it worked, else why not."""
+        if self._probe_task is None or self._probe_task.done():
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe())
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(self._probe_task), timeout=self.settings.ready_probe_timeout_s
+            )
+        except asyncio.TimeoutError:
+            return f"the probe generation did not finish within {self.settings.ready_probe_timeout_s}s"
+
+    async def _probe(self) -> str | None:
+        runtime, worker = self.runtime, self.worker
+        assert runtime is not None and worker is not None
+        try:
+            ids = await asyncio.to_thread(encode_prompt, runtime.target.tokenizer, PROBE_PROMPT)
+            plan = GenerationPlan(
+                prompt_ids=ids,
+                sampling=SamplingParams(max_tokens=1),
+                spec=SpeculativeConfig(method=Method.VANILLA, num_speculative_tokens=0),
+                drafter="none",
+                internal=True,
+            )
+            job = Job(
+                plan, asyncio.get_running_loop(), time.monotonic() + self.settings.ready_probe_timeout_s
+            )
+            worker.submit(job, priority=True)
+            try:
+                while True:
+                    event = await job.next_event()
+                    if isinstance(event, DoneEvent):
+                        self.probe_error = None
+                        return None
+                    if isinstance(event, ErrorEvent):
+                        raise RuntimeError(event.error.message)
+            finally:
+                worker.cancel(job, "probe finished")
+        except (APIError, RuntimeError, DecodingError) as exc:
+            message = exc.message if isinstance(exc, APIError) else str(exc)
+            self.probe_error = f"probe generation failed: {message}"
+            log.error("%s", self.probe_error)
+            return self.probe_error

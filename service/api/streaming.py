@@ -1,0 +1,160 @@
+"""Run a plan through the engine worker and answer with JSON or Server-Sent Events.
+
+- The request waits (off the worker) for its first decoding round before any byte is sent, so anything
+  that goes wrong up to then (timeout in the queue, an engine failure at prefill) is a proper HTTP status.
+- After that, a stream carries `data: {chunk}` events and ends with `data: [DONE]`; an error mid-stream is
+  sent as a last `data: {"error": ...}` event, then `[DONE]`.
+- A client that goes away cancels its job; the worker stops it between two decoding rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.responses import Response
+
+from service.api.errors import CLIENT_CLOSED_REQUEST, RATE_LIMIT, APIError, sse_error_event
+from service.api.responses import Formatter, provenance_tokens
+from service.api.state import ServiceState
+from service.api.worker import (
+    DoneEvent,
+    EngineWorker,
+    ErrorEvent,
+    Event,
+    GenerationPlan,
+    Job,
+    QueueFull,
+    StepEvent,
+)
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(data: dict) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def admit(state: ServiceState, worker: EngineWorker, plan: GenerationPlan, arrived: float) -> Job:
+    deadline = arrived + state.settings.request_timeout_s
+    job = Job(plan, asyncio.get_running_loop(), deadline, arrived=arrived)
+    try:
+        worker.submit(job)
+    except QueueFull as full:
+        raise APIError(
+            429,
+            f"the server is busy ({worker.running} running, {worker.waiting} waiting); retry after "
+            f"{full.retry_after_s}s",
+            type=RATE_LIMIT,
+            code="queue_full",
+            headers={"Retry-After": str(full.retry_after_s)},
+        ) from None
+    return job
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(request: Request, worker: EngineWorker, job: Job) -> AsyncIterator[None]:
+    """While inside, a client disconnect cancels the job (the body was read already, so the next ASGI
+    message can only be the disconnect)."""
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                worker.cancel(job, "client disconnected")
+                return
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+async def next_event(worker: EngineWorker, job: Job) -> Event:
+    if job.cancelled and job.cancel_reason == "client disconnected":
+        raise APIError(CLIENT_CLOSED_REQUEST, "the client disconnected", code="cancelled")
+    try:
+        return await job.next_event()
+    except APIError:  # the deadline passed: stop the work too
+        worker.cancel(job, "timeout")
+        raise
+
+
+async def respond(
+    request: Request,
+    state: ServiceState,
+    worker: EngineWorker,
+    plan: GenerationPlan,
+    formatter: Formatter,
+    stream: bool,
+    arrived: float,
+) -> Response:
+    """`arrived`: time.monotonic() when the request came in; its timeout and latency metrics count from it."""
+    job = admit(state, worker, plan, arrived)
+    try:
+        async with cancel_on_disconnect(request, worker, job):
+            if stream:
+                first = await next_event(worker, job)
+                if isinstance(first, ErrorEvent):
+                    raise first.error
+            else:
+                return JSONResponse(await _collect(worker, job, formatter))
+    except BaseException:
+        worker.cancel(job, "request failed")
+        raise
+    return StreamingResponse(
+        _stream(worker, job, formatter, first), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+async def _collect(worker: EngineWorker, job: Job, formatter: Formatter) -> dict:
+    tokens = [] if job.plan.return_provenance else None
+    while True:
+        event = await next_event(worker, job)
+        if isinstance(event, ErrorEvent):
+            raise event.error
+        if isinstance(event, StepEvent):
+            if tokens is not None:
+                tokens.extend(provenance_tokens(event))
+        elif isinstance(event, DoneEvent):
+            return formatter.response(event.text, event.finish_reason, event.stats, tokens)
+
+
+async def _stream(worker: EngineWorker, job: Job, formatter: Formatter, first: Event) -> AsyncIterator[bytes]:
+    finished = False
+    try:
+        for chunk in formatter.opening_chunks():
+            yield sse(chunk)
+        event = first
+        while True:
+            if isinstance(event, StepEvent):
+                chunk = formatter.step_chunk(event)
+                if chunk is not None:
+                    yield sse(chunk)
+            elif isinstance(event, DoneEvent):
+                yield sse(formatter.finish_chunk(event.finish_reason, event.stats))
+                if formatter.include_usage:
+                    yield sse(formatter.usage_chunk(event.stats))
+                yield DONE
+                finished = True
+                return
+            elif isinstance(event, ErrorEvent):
+                raise event.error
+            event = await next_event(worker, job)
+    except APIError as error:
+        finished = True
+        worker.cancel(job, "failed")
+        yield sse_error_event(error)
+        yield DONE
+    finally:
+        # The client went away (Starlette cancels this generator when it hears the disconnect).
+        if not finished:
+            worker.cancel(job, "client disconnected")

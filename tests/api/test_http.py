@@ -1,0 +1,264 @@
+"""The wire format with plain httpx: SSE framing, usage and speculative fields, auth, metrics, cancellation."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.api.conftest import API_KEYS, Server, assert_openai_error, wait_until
+
+MODEL = "SmolLM2-135M-Instruct"
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"  # the model keeps counting: long, steady generations
+PROVENANCES = {"accepted", "rescued", "recovered", "bonus", "plain"}
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    """Split an SSE body into its `data:` payloads, checking the framing on the way."""
+    assert raw.endswith(b"\n\n"), raw[-200:]
+    events = raw[:-2].split(b"\n\n")
+    for event in events:
+        assert event.startswith(b"data: ") and b"\n" not in event, event
+    return [event[len(b"data: ") :] for event in events]
+
+
+def test_completion_stream_is_framed_as_sse_ending_with_done(api_server: Server) -> None:
+    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 8, "stream": True}
+    with api_server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["cache-control"] == "no-cache"
+        raw = response.read()
+    payloads = sse_events(raw)
+    assert payloads[-1] == b"[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+    for chunk in chunks:
+        assert chunk["object"] == "text_completion" and chunk["model"] == MODEL
+        assert isinstance(chunk["created"], int)
+        assert "usage" not in chunk  # only with stream_options.include_usage
+        assert [c["index"] for c in chunk["choices"]] == [0]
+    *text_chunks, last = chunks
+    assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks)
+    assert last["choices"][0] == {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+    assert last["speculative"]["method"] == "csd"
+
+
+def test_chat_stream_usage_chunk_and_speculative_statistics(api_server: Server) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Count from 1 to 20."}]}],
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "speculative": {"method": "sd", "num_speculative_tokens": 3},
+    }
+    with api_server.client() as http:
+        raw = http.post("/v1/chat/completions", json=body).content
+    payloads = sse_events(raw)
+    assert payloads[-1] == b"[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    first, *middle, finish, usage_chunk = chunks
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["usage"] is None for c in [first, *middle, finish])
+    assert all(set(c["choices"][0]["delta"]) == {"content"} for c in middle)
+    assert finish["choices"][0]["delta"] == {} and finish["choices"][0]["finish_reason"] == "length"
+    assert usage_chunk["choices"] == []
+    usage = usage_chunk["usage"]
+    assert usage["completion_tokens"] == 12
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 12
+    spec = usage_chunk["speculative"]
+    assert spec == finish["speculative"]
+    assert spec["method"] == "sd" and spec["drafter"] == "ngram" and spec["num_speculative_tokens"] == 3
+    assert spec["accepted_tokens"] + spec["rescued_tokens"] <= spec["draft_tokens"]
+    assert spec["rescued_tokens"] == 0  # strict speculative decoding never rescues
+    assert spec["mean_accepted_length"] == pytest.approx(12 / spec["target_forwards"], abs=1e-3)
+    if spec["draft_tokens"]:
+        kept = spec["accepted_tokens"] + spec["rescued_tokens"]
+        assert spec["acceptance_rate"] == pytest.approx(kept / spec["draft_tokens"], abs=1e-3)
+
+
+def test_vanilla_request_reports_no_speculation(api_server: Server) -> None:
+    body = {"model": "embedded", "prompt": COUNTING, "max_tokens": 6, "speculative": {"method": "vanilla"}}
+    with api_server.client() as http:
+        data = http.post("/v1/completions", json=body).json()
+    assert data["model"] == MODEL  # the request may use the spec the server was started with
+    spec = data["speculative"]
+    assert spec["method"] == "vanilla" and spec["drafter"] is None and spec["num_speculative_tokens"] == 0
+    assert spec["draft_tokens"] == 0 and spec["target_forwards"] == data["usage"]["completion_tokens"]
+    assert spec["mean_accepted_length"] == 1.0
+
+
+def test_provenance_of_every_token_when_asked(api_server: Server) -> None:
+    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 10, "speculative": {"return_provenance": True}}
+    with api_server.client() as http:
+        data = http.post("/v1/completions", json=body).json()
+        tokens = data["speculative"]["tokens"]
+        assert len(tokens) == data["usage"]["completion_tokens"]
+        assert {t["provenance"] for t in tokens} <= PROVENANCES
+        assert all(isinstance(t["id"], int) and isinstance(t["text"], str) for t in tokens)
+        assert "".join(t["text"] for t in tokens).strip() == data["choices"][0]["text"].strip()
+
+        raw = http.post("/v1/completions", json={**body, "stream": True}).content
+    chunks = [json.loads(p) for p in sse_events(raw)[:-1]]
+    streamed = [t for c in chunks[:-1] for t in c["speculative"]["tokens"]]
+    assert [t["id"] for t in streamed] == [t["id"] for t in tokens]  # greedy: the same tokens, same order
+    assert "tokens" not in chunks[-1]["speculative"]  # the finish chunk carries the statistics
+
+
+def test_api_keys(api_server: Server) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    with httpx.Client(base_url=api_server.url, timeout=60) as http:
+        missing = http.post("/v1/completions", json=body)
+        error = assert_openai_error(missing, 401, code="invalid_api_key")
+        assert missing.headers["www-authenticate"] == "Bearer"
+        assert "Authorization" in error["message"]
+        wrong = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-test-wrong-key"})
+        assert_openai_error(wrong, 401, code="invalid_api_key")
+        basic = http.get("/v1/models", headers={"Authorization": f"Basic {API_KEYS[0]}"})
+        assert_openai_error(basic, 401)
+        for key in API_KEYS:
+            assert http.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        # Probes and scrapes need no key.
+        for path in ("/health", "/ready", "/metrics"):
+            assert http.get(path).status_code == 200, path
+    log = api_server.log()
+    assert "POST /v1/completions" in log  # the access log is on, and still:
+    for secret in (*API_KEYS, "sk-test-wrong-key"):
+        assert secret not in log
+
+
+def test_health_and_ready_bodies(api_server: Server) -> None:
+    assert 503 in api_server.statuses_before_ready, "/ready should have said 503 while the model loaded"
+    assert httpx.get(f"{api_server.url}/health").json() == {"status": "ok"}
+    ready = httpx.get(f"{api_server.url}/ready").json()
+    assert ready["status"] == "ready" and ready["model"] == MODEL
+    assert ready["ocm_store"]["backend"] == "memory" and ready["ocm_store"]["healthy"] is True
+    assert ready["requests"] == {"running": 0, "waiting": 0}
+
+
+def test_ocm_top_lists_patterns_decoded(api_server: Server) -> None:
+    with api_server.client() as http:
+        # csd (the server's default method) records every rejection it meets in the OCM.
+        done = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": COUNTING, "max_tokens": 12}
+        ).json()
+        assert done["speculative"]["recovered_tokens"] > 0, "this prompt should meet rejections"
+        response = http.get("/v1/ocm/top", params={"n": 5})
+        assert response.status_code == 200
+        data = response.json()["data"]
+        assert [entry["drafter"] for entry in data] == ["ngram"]
+        assert "|ngram|" in data[0]["namespace"]
+        patterns = data[0]["patterns"]
+        assert 1 <= len(patterns) <= 5
+        assert [p["count"] for p in patterns] == sorted((p["count"] for p in patterns), reverse=True)
+        for p in patterns:
+            assert set(p) == {"draft_token", "target_token", "draft_text", "target_text", "count"}
+        assert_openai_error(http.get("/v1/ocm/top", params={"n": 0}), 400, param="n")
+        assert_openai_error(httpx.get(f"{api_server.url}/v1/ocm/top"), 401)
+
+
+def test_metrics_count_a_request(api_server: Server) -> None:
+    labels = {"method": "csd", "drafter": "ngram"}
+    before = api_server.metrics()
+    with api_server.client() as http:
+        data = http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": COUNTING, "max_tokens": 12}
+        ).json()
+        http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    httpx.post(f"{api_server.url}/v1/completions", json={})  # 401
+    after = api_server.metrics()
+
+    def delta(name: str, **extra: str) -> float:
+        return after.value(name, **extra) - before.value(name, **extra)
+
+    spec, usage = data["speculative"], data["usage"]
+    assert delta("csd_requests_total", endpoint="/v1/completions", status_code="200") == 1
+    assert delta("csd_requests_total", endpoint="/v1/completions", status_code="404") == 1
+    assert delta("csd_requests_total", endpoint="/v1/completions", status_code="401") == 1
+    assert delta("csd_generation_tokens_total", **labels) == usage["completion_tokens"]
+    assert delta("csd_prompt_tokens_total", **labels) == usage["prompt_tokens"]
+    assert delta("csd_target_forwards_total", **labels) == spec["target_forwards"]
+    assert delta("csd_spec_decode_num_draft_tokens_total", **labels) == spec["draft_tokens"]
+    assert delta("csd_spec_decode_num_accepted_tokens_total", **labels) == spec["accepted_tokens"]
+    assert delta("csd_spec_decode_num_rescued_tokens_total", **labels) == spec["rescued_tokens"]
+    assert delta("csd_spec_decode_num_recovered_tokens_total", **labels) == spec["recovered_tokens"]
+    assert delta("csd_spec_decode_num_bonus_tokens_total", **labels) == spec["bonus_tokens"]
+    kept = delta("csd_spec_decode_num_accepted_tokens_per_pos_total", **labels)
+    assert kept == spec["accepted_tokens"] + spec["rescued_tokens"]
+    assert delta("csd_time_to_first_token_seconds_count", **labels) == 1
+    assert delta("csd_e2e_request_latency_seconds_count", **labels) == 1
+    assert delta("csd_inter_token_latency_seconds_count", **labels) == spec["target_forwards"] - 1
+    assert delta("csd_tokens_per_target_forward_count", **labels) == spec["target_forwards"]
+    assert delta("csd_tokens_per_target_forward_sum", **labels) >= usage["completion_tokens"]
+    assert after.value("csd_num_requests_running") == 0 and after.value("csd_num_requests_waiting") == 0
+    assert after.value("csd_ocm_store_healthy", backend="memory") == 1
+    assert after.value("csd_ocm_patterns") >= 0
+    for name in (
+        "csd_ocm_buffered_increments", "csd_ocm_dropped_increments_total", "csd_ocm_evicted_patterns_total",
+        "csd_ocm_reconnects_total", "csd_ocm_flush_seconds_count", "csd_ocm_flush_seconds_sum",
+        "csd_ocm_seconds_total", "csd_spec_decode_num_drafts_total", "csd_spec_decode_num_bonus_tokens_total",
+    ):  # fmt: skip
+        assert name in after.names(), name
+
+
+VANILLA = {"method": "vanilla", "drafter": "none"}  # one token per round: rounds are easy to count
+
+
+def test_metrics_move_during_a_generation(api_server: Server) -> None:
+    before = api_server.metrics()
+    body = {
+        "model": MODEL,
+        "prompt": COUNTING,
+        "max_tokens": 48,
+        "stream": True,
+        "speculative": {"method": "vanilla"},
+    }
+    with api_server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: ")
+            if seen == 3:
+                break
+        during = api_server.metrics()
+    # Leaving the block hangs up, which stops the generation (tested below).
+    assert during.value("csd_num_requests_running") == 1
+    for name in (
+        "csd_target_forwards_total",
+        "csd_generation_tokens_total",
+        "csd_time_to_first_token_seconds_count",
+    ):
+        assert during.value(name, **VANILLA) > before.value(name, **VANILLA), name
+    e2e = "csd_e2e_request_latency_seconds_count"
+    assert during.value(e2e, **VANILLA) == before.value(e2e, **VANILLA)  # not finished, yet counted
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+def test_client_disconnect_stops_the_generation(api_server: Server, stream: bool) -> None:
+    before = api_server.metrics().value("csd_generation_tokens_total", **VANILLA)
+    body = {
+        "model": MODEL,
+        "prompt": COUNTING,
+        "max_tokens": 64,
+        "stream": stream,
+        "speculative": {"method": "vanilla"},
+    }
+    if stream:
+        with api_server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    break  # one token arrived: the generation runs; now hang up
+    else:
+        with api_server.client(timeout=httpx.Timeout(60, read=0.5)) as http, pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body)
+    # Stopped within a round or so: the engine is idle again, long before 64 tokens.
+    assert wait_until(lambda: api_server.metrics().value("csd_num_requests_running") == 0, timeout=20)
+    generated = api_server.metrics().value("csd_generation_tokens_total", **VANILLA) - before
+    time.sleep(1.0)
+    assert api_server.metrics().value("csd_generation_tokens_total", **VANILLA) - before == generated
+    assert generated < 64
+    if stream:
+        assert generated <= 8, "the stream was dropped after its first token"

@@ -1,0 +1,106 @@
+"""Behaviour under load: the queue bound (429 + Retry-After), the per-request timeout, graceful shutdown."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api.conftest import Server, assert_openai_error, start_server, wait_until
+
+MODEL = "SmolLM2-135M-Instruct"
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
+TIMEOUT_S = 6
+# Vanilla decoding, one token per round: a request this long outlives the timeout on any machine.
+LONG = {"model": MODEL, "prompt": COUNTING, "max_tokens": 2000, "speculative": {"method": "vanilla"}}
+
+
+@pytest.fixture(scope="module")
+def busy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One generation runs, one may wait, the rest get 429; each request has TIMEOUT_S seconds."""
+    server = start_server(
+        tmp_path_factory.mktemp("busy-server"),
+        "--max-queue", "1", "--request-timeout", str(TIMEOUT_S), "--max-tokens-cap", "2048",
+    )  # fmt: skip
+    yield server
+    server.stop()
+
+
+def test_queue_bound_gives_429_with_retry_after(busy_server: Server) -> None:
+    with httpx.Client(base_url=busy_server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # keep it: a dropped iterator closes the connection
+            next(line for line in lines if line.startswith("data: "))  # it runs now
+            waiting_result: dict = {}
+
+            def wait_in_queue() -> None:
+                with httpx.Client(base_url=busy_server.url, timeout=60) as other:
+                    waiting_result["response"] = other.post("/v1/completions", json={**LONG, "max_tokens": 4})
+
+            waiter = threading.Thread(target=wait_in_queue)
+            waiter.start()
+            assert wait_until(
+                lambda: busy_server.metrics().value("csd_num_requests_waiting") == 1, timeout=10
+            )
+            refused = http.post("/v1/completions", json={**LONG, "max_tokens": 4})
+            error = assert_openai_error(refused, 429, code="queue_full")
+            assert error["type"] == "rate_limit_error"
+            assert int(refused.headers["retry-after"]) >= 1
+        # Hanging up on the running stream lets the waiting request through.
+        waiter.join(60)
+    assert waiting_result["response"].status_code == 200, waiting_result["response"].text
+    counted = busy_server.metrics().value("csd_requests_total", endpoint="/v1/completions", status_code="429")
+    assert counted >= 1
+
+
+def test_request_timeout_is_504_and_stops_the_work(busy_server: Server) -> None:
+    with httpx.Client(base_url=busy_server.url, timeout=60) as http:
+        response = http.post("/v1/completions", json=LONG)
+    error = assert_openai_error(response, 504, code="timeout")
+    assert error["type"] == "timeout_error"
+    assert wait_until(lambda: busy_server.metrics().value("csd_num_requests_running") == 0, timeout=10)
+
+
+def test_timeout_after_the_stream_began_is_an_error_event(busy_server: Server) -> None:
+    with httpx.Client(base_url=busy_server.url, timeout=60) as http:
+        response = http.post("/v1/completions", json={**LONG, "stream": True})
+    assert response.status_code == 200
+    events = response.content.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    last = json.loads(events[-3].removeprefix(b"data: "))
+    assert set(last) == {"error"} and last["error"]["code"] == "timeout"
+    assert json.loads(events[0].removeprefix(b"data: "))["object"] == "text_completion"
+
+
+def test_sigterm_drains_running_requests_then_exits(tmp_path: Path) -> None:
+    server = start_server(tmp_path, "--shutdown-grace", "60")
+    body = {
+        "model": MODEL,
+        "prompt": COUNTING,
+        "max_tokens": 12,
+        "stream": True,
+        "speculative": {"method": "vanilla"},
+    }
+    with (
+        httpx.Client(base_url=server.url, timeout=120) as http,
+        http.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]", rest  # the running request finished normally
+    assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    # After draining, uvicorn re-raises the signal it caught, so the process ends "terminated by SIGTERM"
+    # as supervisors expect; the lifespan shutdown (store flushed, worker stopped) ran before that.
+    assert server.proc.wait(60) in (0, -signal.SIGTERM)
+    assert "Application shutdown complete" in server.log()
+    with pytest.raises(httpx.TransportError):  # and nobody listens any more
+        httpx.get(f"{server.url}/health", timeout=5)
+    assert "shutting down" in server.log()

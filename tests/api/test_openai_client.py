@@ -1,0 +1,108 @@
+"""The official `openai` package against a real server: what existing clients do, unchanged."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.api.conftest import API_KEYS, Server
+
+CHAT = [{"role": "user", "content": "List three colours, separated by commas."}]
+PROMPT = "The three primary colours are"
+
+
+@pytest.fixture(scope="module")
+def client(api_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS[0], max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_list_names_the_served_model(client: openai.OpenAI, model: str) -> None:
+    assert model == "SmolLM2-135M-Instruct"
+    assert client.models.retrieve(model).id == model
+
+
+def test_completion_and_its_stream_agree(client: openai.OpenAI, model: str) -> None:
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    choice = full.choices[0]
+    assert choice.text and choice.finish_reason in ("stop", "length")
+    assert full.object == "text_completion" and full.model == model
+    usage = full.usage
+    assert usage is not None and 1 <= usage.completion_tokens <= 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    speculative = full.model_extra["speculative"]
+    assert speculative["method"] == "csd" and speculative["drafter"] == "ngram"
+    assert speculative["target_forwards"] >= 1
+
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text  # greedy: the stream carries exactly the same text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [choice.finish_reason]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == usage.completion_tokens
+
+
+def test_chat_completion_and_its_stream_agree(client: openai.OpenAI, model: str) -> None:
+    full = client.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=12)
+    message = full.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert full.object == "chat.completion"
+    assert full.usage is not None and full.usage.completion_tokens <= 12
+
+    stream = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=12, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert (
+        chunks[-1].model_extra["speculative"]["target_forwards"]
+        == full.model_extra["speculative"]["target_forwards"]
+    )
+
+
+def test_chat_stop_sequence_ends_the_text(client: openai.OpenAI, model: str) -> None:
+    messages = [{"role": "user", "content": "Count from 1 to 10, one number per line."}]
+    free = client.chat.completions.create(model=model, messages=messages, max_tokens=24)
+    assert "\n" in free.choices[0].message.content, "the prompt should make the model write several lines"
+    stopped = client.chat.completions.create(model=model, messages=messages, max_tokens=24, stop=["\n"])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert "\n" not in stopped.choices[0].message.content
+    assert free.choices[0].message.content.startswith(stopped.choices[0].message.content)
+
+
+def test_sampling_with_a_seed_repeats(client: openai.OpenAI, model: str) -> None:
+    kwargs = dict(model=model, messages=CHAT, max_tokens=10, temperature=1.0, top_p=0.95, seed=1234)
+    first = client.chat.completions.create(**kwargs).choices[0].message.content
+    second = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert first == second
+
+
+def test_errors_raise_the_matching_openai_exceptions(api_server: Server, model: str) -> None:
+    wrong = openai.OpenAI(base_url=f"{api_server.url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    client = openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS[1], max_retries=0)
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert not_found.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, n=2)
+    assert bad.value.body["param"] == "n"
