@@ -106,7 +106,7 @@ class DraftPolicy:
 
 
 def measure_forward_costs(
-    model: torch.nn.Module, max_tokens: int, context: int = 128, repeats: int = 3
+    model: torch.nn.Module, max_tokens: int, context: int = 64, repeats: int = 2
 ) -> list[float]:
     """Seconds of a target forward over n = 1..max_tokens new tokens after `context` cached ones (min of
     `repeats`). Takes a few seconds on a CPU; run once at start."""
