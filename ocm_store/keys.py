@@ -3,9 +3,9 @@
 Everything lives under `PREFIX` (versioned: a change of layout gets a new version, never a silent reuse of
 old keys). Per model pair (`Namespace`), with `{id}` = the first 16 hex digits of sha256(namespace.key):
 
-    csd:ocm:v1:{id}            hash    "draft:target" -> count         the divergence-pattern counts
+    csd:ocm:v1:{id}            zset    "draft:target" scored by count  the divergence-pattern counts
     csd:ocm:v1:{id}:changes    zset    "draft:target" -> seq           seq of the last flush that touched it
-    csd:ocm:v1:{id}:meta       hash    gen, seq, epoch                  change tracking (see redis_scripts)
+    csd:ocm:v1:{id}:meta       hash    gen, seq, epoch, floor           change tracking (see redis_scripts)
     csd:ocm:v1:{id}:writers    hash    writer id -> last batch number   makes a retried flush idempotent
     csd:ocm:v1:namespaces      hash    id -> namespace.key              registry: `namespaces()` without SCAN
 
@@ -70,7 +70,7 @@ def parse_field(field: bytes | str) -> tuple[int, int] | None:
 
 
 def parse_count(value: bytes | str | int | None) -> int | None:
-    """A stored count; None for junk (not a non-negative integer)."""
+    """A stored count (a sorted-set score as Redis prints it: "7"); None for junk ("2.5", "-3", "inf")."""
     if isinstance(value, int):
         return value if value >= 0 else None
     if isinstance(value, bytes):

@@ -4,17 +4,17 @@ Never on the hot path. `record()` and `counts()` touch only process memory under
 - a *snapshot* per namespace: the counts Redis held at the last refresh (or at our last flush);
 - a *buffer*: increments not yet sent, and at most one *in-flight* batch being sent.
 `counts()` returns snapshot + in flight + buffer. A background worker flushes the buffer as one pipelined
-round trip (a Lua script per namespace: HINCRBY each pattern, stamp the change log, apply the cap) at most
+round trip (a Lua script per namespace: ZINCRBY each pattern, stamp the change log, apply the cap) at most
 every `flush_interval_s`, sooner once `flush_every` increments are waiting; the script answers the new
 absolute counts, which replace the snapshot entries, so nothing is counted twice. Every
 `refresh_interval_s` the worker pulls what other replicas wrote: incrementally (only the patterns stamped
-since the last seq it saw, see `redis_scripts`), or the whole hash after an eviction, a reset or a Redis that
+since the last seq it saw, see `redis_scripts`), or the whole set after an eviction, a reset or a Redis that
 lost its data. A pattern learned on replica A reaches replica B within flush + refresh interval (0.6 s by
 default).
 
 Bounded memory. Redis: at most `max_patterns` per namespace; past that the flush script drops the rarest
-patterns (ties: least recently changed first) down to 90 % of the cap. Process: the snapshot mirrors the
-capped hash; the buffer holds at most `max_buffered` distinct patterns per namespace (default: the cap).
+patterns down to 90 % of the cap (a rank range on the sorted set, cheap for Redis; among equal counts in
+Redis's order of equal scores, by member). Process: the snapshot mirrors the capped set; the buffer holds at most `max_buffered` distinct patterns per namespace (default: the cap).
 An increment of a pattern already buffered always fits; one of a new pattern past the bound is dropped and
 counted (`dropped_increments`), never silently.
 
@@ -22,7 +22,7 @@ Faults. Redis unreachable at start: the store works local-only (the buffer is th
 degraded. Lost mid-run: decoding goes on; increments stay buffered up to the bound and are flushed once a
 reconnect (exponential backoff up to `max_backoff_s`) succeeds. Each batch carries (writer id, batch number)
 and the script skips a batch it already applied, so a retry after a lost reply never counts twice. Junk in
-Redis (a count that is not an integer, a field that is not "draft:target", a key of the wrong type) is
+Redis (a score that is not a whole count, a member that is not "draft:target", a key of the wrong type) is
 skipped and logged, and the status says so; a junk count is overwritten by the next increment of it.
 
 Security. The URL goes to redis-py's `from_url` (password, ACL user, `rediss://` TLS with its `ssl_*` query
@@ -61,7 +61,9 @@ log = logging.getLogger(__name__)
 # Connection-level failures: the link is gone (or not yet back); anything else is an answer from Redis.
 _LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 BATCH_PATTERNS = 5000  # patterns per script call: bounds one call's time on the server
-MAX_DELTA = 20_000  # more changed patterns than this since the last refresh: read the whole hash instead
+TOP_RANGE_MAX = 10_000  # top(n) up to this n reads one rank range; beyond, the whole set in slices
+SCAN_SLICE = 5000  # members per ZSCAN call of a full reload
+MAX_DELTA = 20_000  # more changed patterns than this since the last refresh: read the whole set instead
 MAX_JUNK_TRACKED = 1000  # junk fields remembered per namespace (for status and to log each once)
 
 Pair = tuple[int, int]
@@ -80,7 +82,7 @@ class _Local:
     # change tracking: what we have seen of meta (see redis_scripts)
     seq: int = 0
     gen: str = ""
-    epoch: str = ""  # "" matches no epoch in Redis: the first refresh reads the whole hash
+    epoch: str = ""  # "" matches no epoch in Redis: the first refresh reads the whole set
     junk: set[bytes] = field(default_factory=set)
     error: str = ""  # the last answer Redis gave for this namespace that was an error
     retry_at: float = 0.0
@@ -202,7 +204,19 @@ class RedisStore(OCMStore):
     # ------------------------------------------------------------ tools (may talk to Redis)
 
     def top(self, namespace: Namespace, n: int = 20) -> list[Pattern]:
-        counts = self._authoritative(namespace)
+        """From Redis (after sending what is buffered here); from the local view while Redis is away."""
+        with self._io:
+            if self._connected:
+                try:
+                    self._flush_all()
+                    return self._top_in_redis(namespace, n)
+                except _LINK_ERRORS as exc:
+                    self._lost(exc)
+                except redis.ResponseError as exc:
+                    log.error("OCM store: cannot read namespace %s: %s", namespace.key, self._scrub(str(exc)))
+        with self._lock:
+            local = self._states.get(namespace)
+            counts = local.merged() if local else {}
         best = heapq.nlargest(n, counts.items(), key=lambda kv: kv[1])
         return [Pattern(d, t, c) for (d, t), c in best]
 
@@ -320,6 +334,17 @@ class RedisStore(OCMStore):
                 self._lost(exc)
         with self._lock:
             return self._buffered_total == 0
+
+    def refresh(self) -> bool:
+        """Pull what other replicas wrote now (the worker does it every `refresh_interval_s`)."""
+        with self._io:
+            if not self._connected:
+                return False
+            try:
+                self._refresh(list(self._states))
+            except _LINK_ERRORS as exc:
+                self._lost(exc)
+            return self._connected
 
     def reachable(self) -> bool:
         return self._connected
@@ -508,7 +533,7 @@ class RedisStore(OCMStore):
                     self._buffered_total -= sent_total
                     local.error = ""
                     if evicted:
-                        self._next_refresh = 0.0  # the epoch moved: reload the capped hash soon
+                        self._next_refresh = 0.0  # the epoch moved: reload the capped set soon
                     if repaired:
                         log.warning(
                             "OCM store: overwrote %d malformed counts in namespace %s", repaired, ns.key
@@ -555,8 +580,12 @@ class RedisStore(OCMStore):
                 continue
             gen, seq, epoch, mode = result[0].decode(), int(result[1]), result[2].decode(), result[3]
             if mode == b"full":
-                flat = result[4]
-                fresh, junk = self._parse(flat[0::2], flat[1::2])
+                try:
+                    fresh, junk = self._scan(local.keys.counts)
+                except redis.ResponseError as exc:  # the key changed type since the script looked
+                    with self._lock:
+                        self._namespace_error(ns, local, exc)
+                    continue
             elif mode == b"delta":
                 fresh, junk = self._parse(result[4], result[5])
             else:
@@ -582,6 +611,20 @@ class RedisStore(OCMStore):
                 local.seq, local.gen, local.epoch = seq, gen, epoch
                 if local.inflight is None:
                     local.error = ""
+
+    def _scan(self, key: str) -> tuple[dict[Pair, int], set[bytes]]:
+        """The whole sorted set, read in slices so that no single command blocks Redis for long."""
+        fields: list[bytes] = []
+        values: list[bytes] = []
+        cursor = 0
+        while True:
+            cursor, items = self._client.zscan(key, cursor, count=SCAN_SLICE, score_cast_func=bytes)
+            for member, score in items:
+                fields.append(member)
+                values.append(score)
+            if cursor == 0:
+                break
+        return self._parse(fields, values)  # ZSCAN may repeat a member: the dict keeps one
 
     @staticmethod
     def _parse(fields: Sequence, values: Sequence) -> tuple[dict[Pair, int], set[bytes]]:
@@ -612,25 +655,18 @@ class RedisStore(OCMStore):
             out.append((nid, ns))
         return out
 
-    def _authoritative(self, namespace: Namespace) -> dict[Pair, int]:
-        """The counts as Redis holds them (after sending ours); the local view when Redis is away."""
-        with self._io:
-            if self._connected:
-                try:
-                    self._flush_all()
-                    k = keys.keys_for(namespace)
-                    if self._client.type(k.counts) in (b"hash", b"none"):
-                        raw = self._client.hgetall(k.counts)
-                        fresh, junk = self._parse(list(raw), list(raw.values()))
-                        if junk:
-                            log.warning(
-                                "OCM store: skipped %d malformed values in namespace %s",
-                                len(junk),
-                                namespace.key,
-                            )
-                        return fresh
-                except _LINK_ERRORS as exc:
-                    self._lost(exc)
-        with self._lock:
-            local = self._states.get(namespace)
-            return local.merged() if local else {}
+    def _top_in_redis(self, namespace: Namespace, n: int) -> list[Pattern]:
+        """The n largest counts as Redis holds them (junk entries skipped and logged)."""
+        key = keys.keys_for(namespace).counts
+        kind = self._client.type(key)
+        if kind not in (b"zset", b"none"):
+            raise redis.ResponseError(f"CSDWRONGTYPE {key} holds a {kind.decode()}, expected a zset")
+        if n <= TOP_RANGE_MAX:  # one rank range, with room for a few junk entries at the top
+            items = self._client.zrevrange(key, 0, n + 99, withscores=True, score_cast_func=bytes)
+            counts, junk = self._parse([m for m, _ in items], [v for _, v in items])
+        else:  # everything (an export): slices, not one huge reply
+            counts, junk = self._scan(key)
+        if junk:
+            log.warning("OCM store: skipped %d malformed values in namespace %s", len(junk), namespace.key)
+        best = heapq.nlargest(n, counts.items(), key=lambda kv: kv[1])
+        return [Pattern(d, t, c) for (d, t), c in best]

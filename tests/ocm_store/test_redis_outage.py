@@ -15,12 +15,12 @@ from pathlib import Path
 
 import redis
 
-from ocm_store import Namespace, keys
+from ocm_store import Namespace
 from ocm_store.redis_process import RedisProcess
 from ocm_store.redis_store import RedisStore
 from service.decoding import Engine, Method, NgramDrafter, SamplingParams, SpeculativeConfig, vocabulary_hash
 from service.decoding.text import encode_chat
-from tests.ocm_store.helpers import wait_until
+from tests.ocm_store.helpers import in_redis, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,8 +125,7 @@ def test_killing_redis_during_generation_loses_nothing(embedded, tmp_path):
 
         client = redis.Redis(port=server.port)
         for memory, namespace in ((generation_memory, ns), (hammer_memory, hammer_ns)):
-            held = client.hgetall(keys.keys_for(namespace).counts)
-            assert {keys.parse_field(f): int(v) for f, v in held.items()} == dict(memory.recorded)
+            assert in_redis(client, namespace) == dict(memory.recorded)
             assert memory.counts(list(memory.recorded)) == list(memory.recorded.values())
         client.close()
     finally:

@@ -18,6 +18,7 @@ import redis
 from ocm_store import Namespace, StoreUnavailableError, keys
 from ocm_store.redis_process import RedisProcess
 from ocm_store.redis_store import RedisStore
+from tests.ocm_store import helpers
 from tests.ocm_store.helpers import wait_until
 from tests.ocm_store.replica import NAMESPACE as NS
 from tests.ocm_store.replica import PATTERNS
@@ -36,8 +37,7 @@ def replica(*args: str, **popen) -> subprocess.Popen:
 
 
 def in_redis(client: redis.Redis, ns: Namespace = NS) -> dict[tuple[int, int], int]:
-    raw = client.hgetall(keys.keys_for(ns).counts)
-    return {keys.parse_field(f): int(v) for f, v in raw.items()}
+    return helpers.in_redis(client, ns)
 
 
 def record_patterns(memory) -> None:
@@ -132,6 +132,29 @@ def test_no_double_counting_after_flushes_and_refreshes(redis_server, stores):
     assert memory.counts([pattern]) == [6]
 
 
+def test_refresh_is_incremental_and_reloads_everything_when_the_log_cannot_tell(
+    redis_server, redis_client, stores
+):
+    a = stores(redis_server.url)
+    b = stores(redis_server.url, refresh_interval_s=3600)  # refreshed by hand below
+    mem_a, mem_b = a.memory(NS), b.memory(NS)
+    mem_a.record([(1, 1), (2, 2)])
+    assert a.flush() and b.refresh()
+    assert mem_b.counts([(1, 1), (2, 2)]) == [1, 1]
+
+    # Written behind the store's back (no change stamp): an incremental refresh cannot see it ...
+    k = keys.keys_for(NS)
+    redis_client.zadd(k.counts, {"3:3": 5})
+    mem_a.record([(1, 1)])
+    assert a.flush() and b.refresh()
+    assert mem_b.counts([(1, 1), (3, 3)]) == [2, 0]
+    # ... until the log says it is incomplete (its floor is past what B has seen): then B reloads it all.
+    redis_client.hset(k.meta, "floor", int(redis_client.hget(k.meta, "seq")) + 1)
+    mem_a.record([(2, 2)])
+    assert a.flush() and b.refresh()
+    assert mem_b.counts([(1, 1), (2, 2), (3, 3)]) == [2, 2, 5]
+
+
 # ---------------------------------------------------------------- concurrency and the hot path
 
 
@@ -197,34 +220,38 @@ def test_the_hot_path_never_waits_on_a_hung_redis(redis_server, redis_client, st
 # ---------------------------------------------------------------- bounded memory
 
 
-def test_the_cap_drops_the_rarest_patterns_least_recently_changed_first(redis_server, redis_client, stores):
+def test_the_cap_drops_the_rarest_patterns_in_redis_and_in_every_replica(redis_server, redis_client, stores):
     cap = 100
     store = stores(redis_server.url, max_patterns=cap)
     other = stores(redis_server.url, max_patterns=cap)
     other_memory = other.memory(NS)
     memory = store.memory(NS)
-    frequent = [(i, 0) for i in range(20)]
+    frequent = [(i, 0) for i in range(20)]  # seen 10 times
+    middling = [(500 + i, 1) for i in range(30)]  # seen twice
+    rare = [(2000 + i, 1) for i in range(100)]  # seen once
     for _ in range(10):
         memory.record(frequent)
-    old_rare = [(1000 + i, 1) for i in range(50)]
-    memory.record(old_rare)
+    for _ in range(2):
+        memory.record(middling)
     assert store.flush()
     assert store.status().extra["evicted"] == 0
-    new_rare = [(2000 + i, 1) for i in range(100)]
-    memory.record(new_rare)
-    assert store.flush()  # 170 patterns > cap: back down to 90 % of it
+    memory.record(rare)
+    assert store.flush()  # 150 patterns > cap: back down to 90 % of it
 
     held = in_redis(redis_client)
     keep = int(cap * 0.9)
     assert len(held) == keep
-    assert all(held[p] == 10 for p in frequent)  # the frequent ones all stay
-    assert not any(p in held for p in old_rare)  # among the count-1 ones, the older go first
-    assert store.status().extra["evicted"] == 20 + 50 + 100 - keep
-    # Both replicas reload the capped hash (the eviction bumped the epoch): their views match Redis.
-    everything = frequent + old_rare + new_rare
+    assert all(held[p] == 10 for p in frequent) and all(held[p] == 2 for p in middling)
+    assert sum(p in held for p in rare) == keep - len(frequent) - len(middling)  # only rare ones went
+    assert store.status().extra["evicted"] == len(frequent) + len(middling) + len(rare) - keep
+    # Both replicas reload the capped set (the eviction bumped the epoch): their views match Redis.
+    everything = frequent + middling + rare
     wait_until(lambda: other_memory.counts(everything) == [held.get(p, 0) for p in everything], timeout=10)
     wait_until(lambda: memory.counts(everything) == [held.get(p, 0) for p in everything], timeout=10)
     assert store.status().patterns == keep
+    top = other.top(NS, 25)
+    assert [p.count for p in top] == [10] * 20 + [2] * 5
+    assert {(p.draft_token, p.target_token) for p in top[:20]} == set(frequent)
 
 
 def test_unreachable_at_start_works_local_only_bounds_the_buffer_and_flushes_on_reconnect(tmp_path, stores):
@@ -265,26 +292,26 @@ def test_unreachable_at_start_works_local_only_bounds_the_buffer_and_flushes_on_
 def test_junk_values_in_redis_are_skipped_logged_and_reported(redis_server, redis_client, stores, caplog):
     caplog.set_level(logging.WARNING)
     k = keys.keys_for(NS)
-    redis_client.hset(k.counts, mapping={"1:2": "5", "3:4": "banana", "hello": "7", "5:6": "-3"})
+    redis_client.zadd(k.counts, {"1:2": 5, "3:4": 2.5, "hello": 7, "5:6": -3, "7:8": float("inf")})
     redis_client.hset(keys.REGISTRY, "0123456789abcdef", "not a namespace key")
     store = stores(redis_server.url)
     memory = store.memory(NS)
 
-    assert memory.counts([(1, 2), (3, 4), (5, 6)]) == [5, 0, 0]  # junk reads as unseen, no crash
+    assert memory.counts([(1, 2), (3, 4), (5, 6), (7, 8)]) == [5, 0, 0, 0]  # junk reads as unseen
     status = store.status()
-    assert not status.healthy and "3 malformed values" in status.detail
-    assert status.extra["malformed_values"] == 3
-    assert "banana" not in caplog.text and "3:4" in caplog.text and "hello" in caplog.text
+    assert not status.healthy and "4 malformed values" in status.detail
+    assert status.extra["malformed_values"] == 4
+    assert "skipped 4 malformed values" in caplog.text and "3:4" in caplog.text
     assert store.namespaces() == [NS]  # the junk registry entry is skipped
     assert "registry entry" in caplog.text
-    assert store.top(NS, 5)[0].count == 5
+    assert [(p.draft_token, p.count) for p in store.top(NS, 5)] == [(1, 5)]  # inf, 7 'hello' skipped
 
     # The next increment of a junk pattern replaces the junk (junk counts as 0).
     memory.record([(3, 4)])
     assert store.flush()
-    assert redis_client.hget(k.counts, "3:4") == b"1"
+    assert redis_client.zscore(k.counts, "3:4") == 1
     assert memory.counts([(3, 4)]) == [1]
-    assert store.status().extra["malformed_values"] == 2
+    assert store.status().extra["malformed_values"] == 3
 
 
 def test_a_key_of_the_wrong_type_degrades_that_namespace_only(redis_server, redis_client, stores, caplog):
