@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -25,6 +26,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
 
 from ocm_store import Namespace  # noqa: E402
 from ocm_store.redaction import mask_url  # noqa: E402
@@ -57,6 +60,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(args: argparse.Namespace, url: str) -> dict:
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     target = load_model(args.model)
     drafter = NgramDrafter()
     namespace = Namespace(
@@ -114,6 +119,7 @@ def run(args: argparse.Namespace, url: str) -> dict:
     return {
         "backend": "redis",
         "model": f"{target.name}@{target.revision}",
+        "torch_threads": torch.get_num_threads(),
         "prompts": len(inputs),
         "passes": args.passes,
         "max_tokens": args.max_tokens,
@@ -170,13 +176,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tau", type=float, default=0.01)
     parser.add_argument("--flush-interval", type=float, default=0.1)
     parser.add_argument("--refresh-interval", type=float, default=0.5)
+    parser.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = parser.parse_args(argv)
+    # A plain `kill` must still stop the throwaway redis-server (the `with` below only unwinds on exceptions).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     command = (
         f"python -m bench.ocm_overhead --prompts {args.prompts} --passes {args.passes} "
         f"--max-tokens {args.max_tokens} --num-speculative-tokens {args.num_speculative_tokens} "
         f"--lambda {args.lambda_:g} --tau {args.tau:g}"
+        + (f" --torch-threads {args.torch_threads}" if args.torch_threads else "")
     )
     if args.redis_url:
         shown = mask_url(args.redis_url)

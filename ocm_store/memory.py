@@ -38,11 +38,20 @@ CREATE TABLE IF NOT EXISTS patterns (
 """
 
 
+# What sqlite3 says about a file that is not (or no longer) an OCM file, as opposed to one it cannot get at
+# right now (locked, permissions): only the former is moved aside.
+_CORRUPT = ("not a database", "malformed", "no such column")
+
+
 class InMemoryStore(OCMStore):
     backend = "memory"
 
     def __init__(
-        self, path: Path | str | None = None, save_interval_s: float = 30.0, max_patterns: int = 200_000
+        self,
+        path: Path | str | None = None,
+        save_interval_s: float = 30.0,
+        max_patterns: int = 200_000,
+        busy_timeout_s: float = 10.0,
     ) -> None:
         self._lock = threading.Lock()
         self._counts: dict[Namespace, Counter[tuple[int, int]]] = {}
@@ -51,15 +60,17 @@ class InMemoryStore(OCMStore):
         self.path = Path(path) if path is not None else None
         self._dirty = False
         self._save_error = ""
-        self._load_error = ""  # the file could not be read at start: degraded for this process's lifetime
+        self._load_error = ""  # the file could not be read: degraded (until a later load works, if it can)
+        self.busy_timeout_s = busy_timeout_s  # how long SQLite waits for another process's lock
         self.malformed = 0  # rows skipped at load
         self.saves = 0
         self.save_seconds_total = 0.0
         self.last_save_seconds = 0.0
         self._stop = threading.Event()
         self._saver: threading.Thread | None = None
+        self._loaded = True
         if self.path is not None:
-            self._load()
+            self._loaded = self._load()
             self._saver = threading.Thread(
                 target=self._save_loop, args=(save_interval_s,), name="ocm-save", daemon=True
             )
@@ -157,26 +168,28 @@ class InMemoryStore(OCMStore):
     def _connect(self) -> sqlite3.Connection:
         assert self.path is not None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, timeout=10)
+        conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s)
         conn.execute(_SCHEMA)
         return conn
 
-    def _load(self) -> None:
+    def _load(self) -> bool:
+        """Add the file's counts to memory. False when the file is there but out of reach for now (locked,
+        unreadable): then nothing may be saved over it, and the next save tries the load again."""
         assert self.path is not None
         if not self.path.exists():
-            return
+            return True
         try:
             with closing(self._connect()) as conn:
                 rows = conn.execute(
                     "SELECT namespace, draft_token, target_token, count FROM patterns"
                 ).fetchall()
         except sqlite3.DatabaseError as exc:
-            # Not a readable OCM file: keep it for inspection under another name and start empty, so new
-            # patterns can be saved; the status stays degraded so the loss is visible.
-            if "unable to open" in str(exc):  # a permission or path problem, not a bad file: leave it be
-                self._load_error = f"cannot open {self.path} ({exc}); started empty"
+            if not any(sign in str(exc) for sign in _CORRUPT):
+                self._load_error = f"cannot read {self.path} ({exc}); not saving until it can be read"
                 log.error("OCM store: %s", self._load_error)
-                return
+                return False
+            # Not an OCM file: keep it for inspection under another name and start empty, so new patterns
+            # can be saved; the status stays degraded so the loss is visible.
             aside = self.path.with_name(self.path.name + ".corrupt")
             try:
                 self.path.replace(aside)
@@ -185,7 +198,8 @@ class InMemoryStore(OCMStore):
                 kept = f"could not move it aside ({move_exc.strerror})"
             self._load_error = f"cannot read {self.path} ({exc}); started empty, {kept}"
             log.error("OCM store: %s", self._load_error)
-            return
+            return True
+        loaded: list[tuple[Namespace, tuple[int, int], int]] = []
         for key, d, t, c in rows:
             try:
                 ns = Namespace.from_key(key)
@@ -195,13 +209,24 @@ class InMemoryStore(OCMStore):
             except (TypeError, ValueError):
                 self.malformed += 1
                 continue
-            self._counts.setdefault(ns, Counter())[pattern] = count
+            loaded.append((ns, pattern, count))
+        with self._lock:
+            # Added, not set: after a late load, memory already holds what this process learned meanwhile.
+            for ns, pattern, count in loaded:
+                self._counts.setdefault(ns, Counter())[pattern] += count
+            self._dirty = self._dirty or bool(self._counts)
         if self.malformed:
             log.warning("OCM store: skipped %d malformed rows in %s", self.malformed, self.path)
+        self._load_error = ""
+        return True
 
     def save(self) -> None:
         if self.path is None:
             return
+        if not self._loaded:
+            self._loaded = self._load()
+            if not self._loaded:
+                return  # never overwrite counts we could not read
         with self._lock:
             if not self._dirty:
                 return

@@ -102,3 +102,28 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path):
     assert not status.healthy and "3 malformed rows" in status.detail
     assert status.extra["malformed_values"] == 3
     store.close()
+
+
+def test_a_locked_file_is_neither_moved_nor_overwritten_and_is_loaded_once_free(tmp_path):
+    path = tmp_path / "ocm.sqlite"
+    first = InMemoryStore(path=path)
+    first.record(NS, [PAIRS[0]])
+    first.close()
+    holder = sqlite3.connect(path)
+    holder.execute("BEGIN EXCLUSIVE")  # another process in the middle of a long write
+    store = InMemoryStore(path=path, busy_timeout_s=0.1)
+    try:
+        status = store.status()
+        assert not status.healthy and "locked" in status.detail
+        store.record(NS, [PAIRS[1]])  # decoding goes on meanwhile
+        store.save()  # must not replace the file's counts by what this process alone has seen
+        assert not (tmp_path / "ocm.sqlite.corrupt").exists()
+    finally:
+        holder.rollback()
+        holder.close()
+    store.save()  # the lock is gone: load, add, save
+    assert store.status().healthy
+    store.close()
+    again = InMemoryStore(path=path)
+    assert again.memory(NS).counts(PAIRS[:2]) == [1, 1]
+    again.close()
