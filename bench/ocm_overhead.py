@@ -7,6 +7,8 @@ divergence pattern, the semantic gate, read the count) as a share of decoding ti
 
     python -m bench.ocm_overhead                        # starts a throwaway redis-server (AOF on)
     python -m bench.ocm_overhead --redis-url redis://host:6379/0
+    python -m bench.ocm_overhead --backend memory       # the in-process store, to compare
+    python -m bench.ocm_overhead --torch-threads 1      # on a small shared CPU, one thread is much faster
 
 The counts go to a namespace of their own (drafter "<id>+bench"), so pointing this at a shared Redis never
 changes the counts a service uses. The first pass over the prompts teaches the memory (with lambda 6 nothing
@@ -29,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from ocm_store import Namespace  # noqa: E402
+from ocm_store import InMemoryStore, Namespace  # noqa: E402
 from ocm_store.redaction import mask_url  # noqa: E402
 from ocm_store.redis_process import RedisProcess  # noqa: E402
 from ocm_store.redis_store import RedisStore  # noqa: E402
@@ -59,7 +61,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run(args: argparse.Namespace, url: str) -> dict:
+def run(args: argparse.Namespace, url: str | None) -> dict:
+    """url None: the in-process store instead, for comparison."""
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     target = load_model(args.model)
@@ -67,7 +70,12 @@ def run(args: argparse.Namespace, url: str) -> dict:
     namespace = Namespace(
         f"{target.name}@{target.revision}", f"{drafter.identity}+bench", vocabulary_hash(target.tokenizer)
     )
-    store = RedisStore(url, flush_interval_s=args.flush_interval, refresh_interval_s=args.refresh_interval)
+    if url is None:
+        store = InMemoryStore()
+    else:
+        store = RedisStore(
+            url, flush_interval_s=args.flush_interval, refresh_interval_s=args.refresh_interval
+        )
     if not store.reachable():
         store.close()
         raise SystemExit(f"ocm_overhead: error: {store.status().detail}")
@@ -113,11 +121,12 @@ def run(args: argparse.Namespace, url: str) -> dict:
                 flush=True,
             )
     print(file=sys.stderr)
-    store.flush()
+    if isinstance(store, RedisStore):
+        store.flush()  # so the background figures below include the last increments
     status = store.status()
     store.close()
     return {
-        "backend": "redis",
+        "backend": store.backend,
         "model": f"{target.name}@{target.revision}",
         "torch_threads": torch.get_num_threads(),
         "prompts": len(inputs),
@@ -147,7 +156,8 @@ def report(result: dict, command: str, url_shown: str) -> str:
     goal = "met" if r["ocm_share_total"] < 0.01 else "NOT met"
     return "\n".join(
         [
-            f"OCM overhead with the Redis backend ({url_shown}); {r['model']}, csd, n-gram drafter, greedy",
+            f"OCM overhead with the {r['backend']} backend ({url_shown}); {r['model']}, csd, n-gram drafter, "
+            f"greedy, {r['torch_threads']} torch threads",
             f"  {r['prompts']} prompts from bench/data/grounded.jsonl x {r['passes']} passes, max_tokens "
             f"{r['max_tokens']}: {r['completion_tokens']} tokens, {r['steps']} verification steps "
             f"({r['steps_with_ocm_work']} with a rejection), {r['rescued_tokens']} rescued tokens",
@@ -167,6 +177,8 @@ def report(result: dict, command: str, url_shown: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ocm_overhead", description=__doc__.split("\n")[0])
     parser.add_argument("--redis-url", help="an existing Redis (default: start a throwaway redis-server)")
+    parser.add_argument("--backend", choices=["redis", "memory"], default="redis",
+                        help="memory: the in-process store, to compare")  # fmt: skip
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--prompts", type=int, default=8, help="how many prompts of grounded.jsonl")
     parser.add_argument("--passes", type=int, default=2)
@@ -188,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         f"--lambda {args.lambda_:g} --tau {args.tau:g}"
         + (f" --torch-threads {args.torch_threads}" if args.torch_threads else "")
     )
-    if args.redis_url:
+    if args.backend == "memory":
+        command += " --backend memory"
+        result = run(args, None)
+        shown = "in-process store, for comparison"
+    elif args.redis_url:
         shown = mask_url(args.redis_url)
         command += f" --redis-url '{shown}'"
         result = run(args, args.redis_url)
