@@ -31,6 +31,14 @@ class Namespace:
         return cls(target, drafter, vocab)
 
 
+class OCMStoreError(Exception):
+    """A store failure a user should see as one line (never carries credentials)."""
+
+
+class StoreUnavailableError(OCMStoreError):
+    """The shared store cannot be reached for an operation that needs it (reset, an import)."""
+
+
 @dataclass(frozen=True)
 class Pattern:
     draft_token: int
@@ -80,6 +88,11 @@ class OCMStore(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Flush what is buffered and release resources."""
+
+    def reachable(self) -> bool:
+        """Whether the storage behind the store can be reached now (False: a shared store is away and this
+        process works on its local view). Tools that read or change the shared counts check it first."""
+        return True
 
     def memory(self, namespace: Namespace) -> NamespacedMemory:
         return NamespacedMemory(self, namespace)

@@ -19,5 +19,12 @@ def open_store(
 ) -> OCMStore:
     """Redis when a URL is given (shared by every replica), else the in-process store persisted to `path`."""
     if redis_url:
-        raise NotImplementedError("the Redis OCM backend is not available yet")
+        from ocm_store.redis_store import RedisStore  # redis-py is only needed with a URL
+
+        return RedisStore(
+            redis_url,
+            max_patterns=max_patterns,
+            flush_interval_s=flush_interval_s,
+            refresh_interval_s=refresh_interval_s,
+        )
     return InMemoryStore(path=path, save_interval_s=save_interval_s, max_patterns=max_patterns)

@@ -2,7 +2,9 @@
 
 Counts live in a dict guarded by a lock (the hot path is a dict lookup). With a `path`, the store loads an
 SQLite file at start and saves to it on a schedule (from a background thread, only when something changed)
-and on close, so a single-machine user keeps the learned patterns across restarts.
+and on close, so a single-machine user keeps the learned patterns across restarts. A file that cannot be
+read is moved aside (`<name>.corrupt`) and the store starts empty and reports degraded; malformed rows are
+skipped and counted.
 
 Memory is bounded: when a namespace grows past `max_patterns` distinct patterns, the rarest patterns are
 dropped until it holds 90 % of the cap (ties: the most recently inserted survive). Rare patterns are the ones
@@ -15,6 +17,7 @@ import heapq
 import logging
 import sqlite3
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import closing
@@ -35,11 +38,20 @@ CREATE TABLE IF NOT EXISTS patterns (
 """
 
 
+# What sqlite3 says about a file that is not (or no longer) an OCM file, as opposed to one it cannot get at
+# right now (locked, permissions): only the former is moved aside.
+_CORRUPT = ("not a database", "malformed", "no such column")
+
+
 class InMemoryStore(OCMStore):
     backend = "memory"
 
     def __init__(
-        self, path: Path | str | None = None, save_interval_s: float = 30.0, max_patterns: int = 200_000
+        self,
+        path: Path | str | None = None,
+        save_interval_s: float = 30.0,
+        max_patterns: int = 200_000,
+        busy_timeout_s: float = 10.0,
     ) -> None:
         self._lock = threading.Lock()
         self._counts: dict[Namespace, Counter[tuple[int, int]]] = {}
@@ -48,10 +60,17 @@ class InMemoryStore(OCMStore):
         self.path = Path(path) if path is not None else None
         self._dirty = False
         self._save_error = ""
+        self._load_error = ""  # the file could not be read: degraded (until a later load works, if it can)
+        self.busy_timeout_s = busy_timeout_s  # how long SQLite waits for another process's lock
+        self.malformed = 0  # rows skipped at load
+        self.saves = 0
+        self.save_seconds_total = 0.0
+        self.last_save_seconds = 0.0
         self._stop = threading.Event()
         self._saver: threading.Thread | None = None
+        self._loaded = True
         if self.path is not None:
-            self._load()
+            self._loaded = self._load()
             self._saver = threading.Thread(
                 target=self._save_loop, args=(save_interval_s,), name="ocm-save", daemon=True
             )
@@ -99,13 +118,25 @@ class InMemoryStore(OCMStore):
     def status(self) -> StoreStatus:
         with self._lock:
             total = sum(len(c) for c in self._counts.values())
-        healthy = not self._save_error
+        problems = [e for e in (self._load_error, self._save_error) if e]
+        if self.malformed:
+            problems.append(f"skipped {self.malformed} malformed rows in {self.path}")
         return StoreStatus(
             backend=self.backend,
-            healthy=healthy,
+            healthy=not problems,
             patterns=total,
-            detail=self._save_error or (f"persisted to {self.path}" if self.path else "not persisted"),
-            extra={"evicted": self.evicted},
+            detail="; ".join(problems) or (f"persisted to {self.path}" if self.path else "not persisted"),
+            # The same keys as the Redis store, so both export the same metrics; zero where nothing is buffered.
+            extra={
+                "buffered_increments": 0,
+                "dropped_increments": 0,
+                "flushes": self.saves,
+                "flush_seconds_total": self.save_seconds_total,
+                "last_flush_seconds": self.last_save_seconds,
+                "evicted": self.evicted,
+                "reconnects": 0,
+                "malformed_values": self.malformed,
+            },
         )
 
     def close(self) -> None:
@@ -137,30 +168,65 @@ class InMemoryStore(OCMStore):
     def _connect(self) -> sqlite3.Connection:
         assert self.path is not None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, timeout=10)
+        conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s)
         conn.execute(_SCHEMA)
         return conn
 
-    def _load(self) -> None:
+    def _load(self) -> bool:
+        """Add the file's counts to memory. False when the file is there but out of reach for now (locked,
+        unreadable): then nothing may be saved over it, and the next save tries the load again."""
+        assert self.path is not None
+        if not self.path.exists():
+            return True
         try:
             with closing(self._connect()) as conn:
                 rows = conn.execute(
                     "SELECT namespace, draft_token, target_token, count FROM patterns"
                 ).fetchall()
         except sqlite3.DatabaseError as exc:
-            self._save_error = f"cannot read {self.path}: {exc}"
-            log.error("OCM store: %s; starting empty", self._save_error)
-            return
+            if not any(sign in str(exc) for sign in _CORRUPT):
+                self._load_error = f"cannot read {self.path} ({exc}); not saving until it can be read"
+                log.error("OCM store: %s", self._load_error)
+                return False
+            # Not an OCM file: keep it for inspection under another name and start empty, so new patterns
+            # can be saved; the status stays degraded so the loss is visible.
+            aside = self.path.with_name(self.path.name + ".corrupt")
+            try:
+                self.path.replace(aside)
+                kept = f"moved it to {aside}"
+            except OSError as move_exc:
+                kept = f"could not move it aside ({move_exc.strerror})"
+            self._load_error = f"cannot read {self.path} ({exc}); started empty, {kept}"
+            log.error("OCM store: %s", self._load_error)
+            return True
+        loaded: list[tuple[Namespace, tuple[int, int], int]] = []
         for key, d, t, c in rows:
             try:
                 ns = Namespace.from_key(key)
-            except ValueError:
+                pattern, count = (int(d), int(t)), int(c)
+                if min(*pattern, count) < 0:
+                    raise ValueError("negative")
+            except (TypeError, ValueError):
+                self.malformed += 1
                 continue
-            self._counts.setdefault(ns, Counter())[(int(d), int(t))] = int(c)
+            loaded.append((ns, pattern, count))
+        with self._lock:
+            # Added, not set: after a late load, memory already holds what this process learned meanwhile.
+            for ns, pattern, count in loaded:
+                self._counts.setdefault(ns, Counter())[pattern] += count
+            self._dirty = self._dirty or bool(self._counts)
+        if self.malformed:
+            log.warning("OCM store: skipped %d malformed rows in %s", self.malformed, self.path)
+        self._load_error = ""
+        return True
 
     def save(self) -> None:
         if self.path is None:
             return
+        if not self._loaded:
+            self._loaded = self._load()
+            if not self._loaded:
+                return  # never overwrite counts we could not read
         with self._lock:
             if not self._dirty:
                 return
@@ -168,11 +234,15 @@ class InMemoryStore(OCMStore):
                 (ns.key, d, t, c) for ns, counter in self._counts.items() for (d, t), c in counter.items()
             ]
             self._dirty = False
+        started = time.perf_counter()
         try:
             with closing(self._connect()) as conn, conn:  # one transaction: readers never see half a save
                 conn.execute("DELETE FROM patterns")
                 conn.executemany("INSERT INTO patterns VALUES (?, ?, ?, ?)", snapshot)
             self._save_error = ""
+            self.saves += 1
+            self.last_save_seconds = time.perf_counter() - started
+            self.save_seconds_total += self.last_save_seconds
         except sqlite3.Error as exc:
             with self._lock:
                 self._dirty = True

@@ -20,6 +20,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from ocm_store.base import OCMStoreError
 from service.decoding.types import DecodingError, Method, SamplingParams
 
 EXIT_USAGE = 2
@@ -266,7 +267,25 @@ def _ocm_store(args: argparse.Namespace):
 
     settings = settings_from_args(args)
     url = settings.redis_url.get_secret_value() if settings.redis_url else None
-    return settings, open_store(url, settings.ocm_file)
+    # An unreachable store is reported below as one line; its own warning at open would only repeat it.
+    store_log = logging.getLogger("ocm_store")
+    level = store_log.level
+    store_log.setLevel(logging.ERROR)
+    try:
+        store = open_store(
+            url,
+            settings.ocm_file,
+            max_patterns=settings.ocm_max_patterns,
+            flush_interval_s=settings.ocm_flush_interval_s,
+            refresh_interval_s=settings.ocm_refresh_interval_s,
+        )
+    finally:
+        store_log.setLevel(level)
+    if args.ocm_command != "stats" and not store.reachable():
+        detail = store.status().detail
+        store.close()
+        raise CLIError(f"the OCM store is unavailable: {detail}")
+    return settings, store
 
 
 def _select_namespaces(store, args: argparse.Namespace) -> list:
@@ -293,11 +312,12 @@ def cmd_ocm(args: argparse.Namespace) -> int:
     settings, store = _ocm_store(args)
     try:
         if args.ocm_command == "stats":
+            # Counted from the store itself: a shared store's status only knows this process's view.
+            namespaces = {ns.key: len(store.top(ns, 10**9)) for ns in store.namespaces()}
             status = store.status()
             print(json.dumps({
-                "backend": status.backend, "healthy": status.healthy, "patterns": status.patterns,
-                "detail": status.detail, **status.extra,
-                "namespaces": {ns.key: len(store.top(ns, 10**9)) for ns in store.namespaces()},
+                "backend": status.backend, "healthy": status.healthy, "patterns": sum(namespaces.values()),
+                "detail": status.detail, **status.extra, "namespaces": namespaces,
             }, indent=2))  # fmt: skip
         elif args.ocm_command == "top":
             tok = _decoder(args)
@@ -493,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _quiet_libraries()
         return args.func(args)
-    except (CLIError, DecodingError) as exc:
+    except (CLIError, DecodingError, OCMStoreError) as exc:
         print(f"csd: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
