@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.decoding.models import default_cache_dir
+from service.decoding.paths import default_cache_dir
 from service.decoding.types import Method, SpeculativeConfig
 
 

@@ -4,22 +4,59 @@ Imports torch and transformers only; the service and the OCM store meet it throu
 and the plain dataclasses in `types`.
 """
 
-from service.decoding.draft_policy import DraftPolicy
-from service.decoding.drafters import Drafter, ModelDrafter, NgramDrafter
-from service.decoding.engine import Engine, Generation
-from service.decoding.models import LoadedModel, check_same_vocabulary, load_model, vocabulary_hash
-from service.decoding.types import (
-    DecodingError,
-    EmittedToken,
-    GenerationStats,
-    GenerationStep,
-    Method,
-    Provenance,
-    RoundStats,
-    SamplingParams,
-    SpeculativeConfig,
-)
-from service.decoding.verification import DivergenceMemory
+import importlib
+from typing import TYPE_CHECKING
+
+# Exports resolve lazily (PEP 562): `service.decoding.types` and `.paths` are imported by the settings and
+# the CLI, which must not pay torch's import time for `csd ocm stats`.
+_EXPORTS = {
+    "DraftPolicy": "draft_policy",
+    "Drafter": "drafters",
+    "ModelDrafter": "drafters",
+    "NgramDrafter": "drafters",
+    "Engine": "engine",
+    "Generation": "engine",
+    "LoadedModel": "models",
+    "check_same_vocabulary": "models",
+    "load_model": "models",
+    "vocabulary_hash": "models",
+    "DecodingError": "types",
+    "EmittedToken": "types",
+    "GenerationStats": "types",
+    "GenerationStep": "types",
+    "Method": "types",
+    "Provenance": "types",
+    "RoundStats": "types",
+    "SamplingParams": "types",
+    "SpeculativeConfig": "types",
+    "DivergenceMemory": "verification",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'service.decoding' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"service.decoding.{module}"), name)
+
+
+if TYPE_CHECKING:
+    from service.decoding.draft_policy import DraftPolicy
+    from service.decoding.drafters import Drafter, ModelDrafter, NgramDrafter
+    from service.decoding.engine import Engine, Generation
+    from service.decoding.models import LoadedModel, check_same_vocabulary, load_model, vocabulary_hash
+    from service.decoding.types import (
+        DecodingError,
+        EmittedToken,
+        GenerationStats,
+        GenerationStep,
+        Method,
+        Provenance,
+        RoundStats,
+        SamplingParams,
+        SpeculativeConfig,
+    )
+    from service.decoding.verification import DivergenceMemory
 
 __all__ = [
     "DecodingError",

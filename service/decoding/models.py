@@ -17,7 +17,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from service.decoding.paths import default_cache_dir
 from service.decoding.types import DecodingError
 
 log = logging.getLogger(__name__)
@@ -45,13 +45,6 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("CSD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "csd-serve"
-    )
-    return Path(root)
 
 
 @dataclass
