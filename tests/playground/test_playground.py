@@ -246,7 +246,8 @@ def test_api_errors_are_shown(page: Page) -> None:
 
 def test_side_by_side_runs_sd_and_csd(page: Page) -> None:
     page.set_key(API_KEY)
-    page.configure(prompt=REPEATING, max_tokens="24")
+    page.configure(prompt=REPEATING, max_tokens="24", tau="0.0001")
+    page.configure(**{"lambda": "0"})  # so that csd may rescue, and the screenshot shows it
     page.page.check("#side-by-side")
     page.run()
     assert page.wait_finished() == "Done.", page.page.text_content("#error")
