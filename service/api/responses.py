@@ -108,7 +108,9 @@ class Formatter:
         raise NotImplementedError
 
     def _step_speculative(self, event: StepEvent) -> SpeculativeTokens | None:
-        return SpeculativeTokens(tokens=provenance_tokens(event)) if self.plan.return_provenance else None
+        if not self.plan.return_provenance:
+            return None
+        return SpeculativeTokens(tokens=provenance_tokens(event), draft_tokens=event.draft_tokens)
 
     def _wants_chunk(self, event: StepEvent) -> bool:
         # A round whose text is held back (half a character, a possible stop string) sends nothing, unless

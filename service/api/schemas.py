@@ -228,6 +228,7 @@ class SpeculativeTokens(BaseModel):
     """The provenance of a stream chunk's tokens (with `speculative.return_provenance`)."""
 
     tokens: list[ProvenanceToken]
+    draft_tokens: int = Field(0, description="draft tokens this round verified (for live acceptance rates)")
 
 
 class CompletionChoice(BaseModel):

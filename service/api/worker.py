@@ -58,6 +58,7 @@ class StepEvent:
     finish_reason: str | None
     tokens: list[EmittedToken] = field(default_factory=list)
     token_texts: list[tuple[str, str | None]] | None = None  # (text, replaced text), when asked for
+    draft_tokens: int = 0  # draft tokens this round verified, so a client can show live acceptance
 
 
 @dataclass
@@ -280,7 +281,14 @@ class EngineWorker:
                         for t in step.tokens
                     ]
                 job._deliver(
-                    StepEvent(step.text, len(step.tokens), step.finish_reason, list(step.tokens), token_texts)
+                    StepEvent(
+                        step.text,
+                        len(step.tokens),
+                        step.finish_reason,
+                        list(step.tokens),
+                        token_texts,
+                        step.round.num_draft_tokens,
+                    )
                 )
                 if step.finish_reason is not None:
                     break

@@ -106,6 +106,11 @@ def test_provenance_of_every_token_when_asked(api_server: Server) -> None:
     streamed = [t for c in chunks[:-1] for t in c["speculative"]["tokens"]]
     assert [t["id"] for t in streamed] == [t["id"] for t in tokens]  # greedy: the same tokens, same order
     assert "tokens" not in chunks[-1]["speculative"]  # the finish chunk carries the statistics
+    # Each round's chunk says how many draft tokens it verified: they add up to the total.
+    assert (
+        sum(c["speculative"]["draft_tokens"] for c in chunks[:-1])
+        == chunks[-1]["speculative"]["draft_tokens"]
+    )
 
 
 def test_api_keys(api_server: Server) -> None:
