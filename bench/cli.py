@@ -11,11 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from datetime import datetime
 from pathlib import Path
 
 from bench.config import BenchConfig, BenchError
-from bench.machine import REPO
 from bench.workloads import WORKLOADS
 
 EXIT_USAGE = 2
@@ -116,7 +114,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise BenchError("sweep taus must be in (0, 1] and lambdas >= 0")
     if "grounded" not in config.workloads:
         raise BenchError("the grounded workload is the goals' reference and cannot be left out")
-    config.speculative()  # validates k, tau, lambda
+    try:
+        config.speculative()  # validates k, tau, lambda
+    except ValueError as exc:  # DecodingError
+        raise BenchError(str(exc)) from None
     return config
 
 
@@ -125,25 +126,25 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        config = config_from_args(args)  # before the heavy imports: a bad option answers at once
+    except BenchError as exc:
+        return _fail(exc)
     import transformers
+
+    from bench.reports import goals_table, main_table
+    from bench.run import run_benchmark
+    from service.decoding.types import DecodingError
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    from service.decoding.types import DecodingError
-
     try:
-        config = config_from_args(args)
-        from bench.run import run_benchmark
-
         report, out_dir = run_benchmark(config, argv)
-    except (BenchError, DecodingError) as exc:
-        print(f"bench: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except (BenchError, DecodingError) as exc:  # a missing package, a bad model spec, a vocabulary mismatch
+        return _fail(exc)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    from bench.reports import goals_table, main_table
-
     print()
     print(main_table(report))
     print()
@@ -153,5 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def default_out_dir() -> Path:
-    return REPO / "bench" / "results" / datetime.now().strftime("%Y%m%d-%H%M%S")
+def _fail(exc: Exception) -> int:
+    print(f"bench: error: {exc}", file=sys.stderr)
+    return EXIT_USAGE

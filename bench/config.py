@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.workloads import WORKLOADS
-from service.decoding import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from service.decoding import SpeculativeConfig
 
 
 class BenchError(Exception):
@@ -58,7 +61,7 @@ class BenchConfig:
             max_tokens=48,
             calibration_prompts=16,
             calibration_max_tokens=48,
-            sweep_prompts=2,
+            sweep_prompts=1,
             replay_passes=2,
             replay_prompts=5,
         )
@@ -66,6 +69,8 @@ class BenchConfig:
         return cls(**values)
 
     def speculative(self) -> SpeculativeConfig:
+        from service.decoding import SpeculativeConfig
+
         return SpeculativeConfig(
             num_speculative_tokens=self.num_speculative_tokens,
             lambda_=self.lambda_,

@@ -33,16 +33,19 @@ def evaluate(sample_files: list[Path], timeout: float = 3.0, workers: int = 2) -
         str(timeout),
         "--workers",
         str(workers),
-        *map(str, sample_files),
+        *(str(f.resolve()) for f in sample_files),
     ]
     # Generous outer limit: the harness kills each test after `timeout` seconds itself.
     limit = 120 + 2 * (timeout + 1) * sum(1 for f in sample_files for _ in stream_jsonl(str(f)))
-    done = subprocess.run(command, capture_output=True, text=True, timeout=limit)
+    # cwd: the folder holding this `bench` package, so `-m bench.humaneval` finds this very copy.
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=limit, cwd=Path(__file__).resolve().parent.parent
+    )
     if done.returncode != 0:
         raise RuntimeError(f"HumanEval evaluation failed: {done.stderr.strip().splitlines()[-1:]}")
     results: dict[Path, dict[str, bool]] = {}
     for path in sample_files:
-        rows = stream_jsonl(f"{path}_results.jsonl")
+        rows = stream_jsonl(f"{path.resolve()}_results.jsonl")
         results[path] = {row["task_id"]: bool(row["passed"]) for row in rows}
     return results
 

@@ -174,6 +174,21 @@ def limits(report: dict) -> list[str]:
             f"torch profiler over an sd generation: {ops['operator_share']:.0%} of the wall time is inside torch "
             f"operators (the rest is Python around them: module calls, cache bookkeeping); heaviest: {top}."
         )
+    csd = _row(report, GOAL_WORKLOAD, "csd")
+    if csd and csd.get("rescued") is not None and csd.get("recovered") is not None:
+        divergences = csd["rescued"] + csd["recovered"]
+        cal = report.get("calibration", {}).get("drafters", {}).get("ngram")
+        memory = (
+            f"; the calibrated OCM held {cal['patterns']} patterns, {cal['patterns_over_lambda']} of them seen more "
+            f"than lambda times"
+            if cal
+            else ""
+        )
+        lines.append(
+            f"csd rescued {csd['rescued']} of {divergences} divergences on the grounded suite "
+            f"({csd['rescued'] / divergences if divergences else 0:.0%}){memory}: a rescue needs a recurring "
+            "pattern (count > lambda) that the target also finds plausible (p ratio >= tau)."
+        )
     sd = _row(report, GOAL_WORKLOAD, "sd")
     if sd and one:
         lines.append(

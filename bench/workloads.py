@@ -16,10 +16,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
-
-from service.decoding.text import encode_chat, encode_prompt
+if TYPE_CHECKING:  # keep `python -m bench --help` and option errors free of the torch import
+    from transformers import PreTrainedTokenizerBase
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 WORKLOADS = ("grounded", "qa", "humaneval", "chat", "math")
@@ -39,6 +39,8 @@ class Prompt:
     extra: dict = field(default_factory=dict)  # e.g. the HumanEval problem
 
     def token_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        from service.decoding.text import encode_chat, encode_prompt
+
         if self.chat:
             return encode_chat(tokenizer, [{"role": "user", "content": self.text}])
         return encode_prompt(tokenizer, self.text)

@@ -35,7 +35,7 @@ def draft_dir(embedded, tmp_path_factory) -> Path:
     return path
 
 
-def run_bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "bench", *args],
         cwd=REPO,
