@@ -54,16 +54,16 @@ class BenchConfig:
 
     @classmethod
     def quick_preset(cls, **overrides: object) -> BenchConfig:
-        """A few prompts per workload and short outputs: a few minutes on 2 CPU cores."""
+        """Two prompts per workload, short outputs, a small sweep: a few minutes on 2 quiet CPU cores."""
         values: dict = dict(
             quick=True,
-            limit=3,
+            limit=2,
             max_tokens=48,
             calibration_prompts=16,
             calibration_max_tokens=48,
             sweep_prompts=1,
             replay_passes=2,
-            replay_prompts=5,
+            replay_prompts=4,
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -271,7 +271,9 @@ def markdown(report: dict) -> str:
         f"Model: {meta['target']} (target){', ' + meta['draft'] + ' (draft)' if meta.get('draft') else ''}; "
         f"greedy; max_tokens {report['config']['max_tokens']}; num_speculative_tokens "
         f"{report['config']['num_speculative_tokens']}, lambda {report['config']['lambda_']:g}, tau "
-        f"{report['config']['tau']:g}; wall time {meta['wall_seconds']:.0f} s.",
+        f"{report['config']['tau']:g}; wall time {meta['wall_seconds']:.0f} s ("
+        + ", ".join(f"{k} {v:.0f} s" for k, v in meta.get("phase_seconds", {}).items())
+        + ").",
         "",
         main_table(report),
         "",

@@ -33,6 +33,24 @@ from service.calibration import encode_item
 from service.decoding import LoadedModel, check_same_vocabulary, load_model
 
 
+class PhaseClock:
+    """Wall time per phase (shown in the report), and the progress bar's label."""
+
+    def __init__(self, progress: tqdm) -> None:
+        self.progress = progress
+        self.seconds: dict[str, float] = {}
+        self._current: str | None = None
+        self._since = time.perf_counter()
+
+    def enter(self, name: str | None) -> None:
+        now = time.perf_counter()
+        if self._current is not None:
+            self.seconds[self._current] = self.seconds.get(self._current, 0.0) + now - self._since
+        self._current, self._since = name, now
+        if name is not None:
+            self.progress.set_description(name)
+
+
 def _out_dir(config: BenchConfig) -> Path:
     out = config.out_dir or REPO / "bench" / "results" / datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
@@ -93,11 +111,12 @@ def run_benchmark(
         + replay_prompts * config.replay_passes
     )
     progress = tqdm(total=total, desc="bench", unit="gen", file=out, dynamic_ncols=True)
+    clock = PhaseClock(progress)
     bench = Bench.create(config, target, draft, progress)
     report: dict = {"config": config.as_dict(), "methods": [_spec_dict(s) for s in specs]}
     try:
         # 1. calibration: strict SD with recording, the `csd calibrate` code path
-        progress.set_description("calibrate")
+        clock.enter("calibrate")
         cal_started = time.perf_counter()
         bench.calibrated, cal_results = calibrated_store(
             target,
@@ -124,19 +143,20 @@ def run_benchmark(
             "top": top_patterns(bench.calibrated, spaces["ngram"], target),
         }
 
-        # 2. warm-up (untimed) on a calibration prompt, never an evaluation one
-        progress.set_description("warm-up")
-        warm_up(bench, specs, encode_item(target.tokenizer, calibration_items[0]))
+        # 2. warm-up (untimed) on the start of a calibration prompt, never an evaluation one; short, because
+        #    it only has to trigger the first-call costs
+        clock.enter("warm-up")
+        warm_up(bench, specs, encode_item(target.tokenizer, calibration_items[0])[:64])
         progress.update(len(specs))
 
         # 3. the main table
         results: list[WorkloadResult] = []
         for name in config.workloads:
-            progress.set_description(name)
+            clock.enter(name)
             results.append(run_workload(bench, name, specs, out_dir))
         report["workloads"] = {r.name: {"prompts": len(r.runs), "methods": r.rows} for r in results}
         _write_outputs(out_dir / "outputs.jsonl", results, specs)
-        progress.set_description("lossless check")
+        clock.enter("lossless check")
         report["lossless"] = lossless_check(bench, results, specs)
         report["acceptance_histograms"] = acceptance_histograms(results, specs)
         report["rescued"] = rescued_examples(bench, results)
@@ -145,12 +165,12 @@ def run_benchmark(
         if config.sweep_prompts:
             from bench.sweep import run_sweep
 
-            progress.set_description("sweep")
+            clock.enter("sweep")
             report["sweep"] = run_sweep(bench)
 
         # 5. online learning
         if config.replay_passes and replay_prompts:
-            progress.set_description("replay")
+            clock.enter("replay")
             report["replay"] = run_replay(bench)
             grounded = report["workloads"]["grounded"]["methods"]
             report["replay_references"] = {
@@ -160,8 +180,9 @@ def run_benchmark(
 
         # 6. what limits the speed
         if config.extra.get("profile", True):
-            progress.set_description("profile")
+            clock.enter("profile")
             report["profile"] = run_profile(bench)
+        clock.enter(None)
     finally:
         progress.close()
 
@@ -170,6 +191,7 @@ def run_benchmark(
     report["meta"] = {
         "started": started_at,
         "wall_seconds": time.perf_counter() - wall_start,
+        "phase_seconds": {k: round(v, 2) for k, v in clock.seconds.items()},
         "command": command,
         "argv": argv,
         "machine": machine,

@@ -47,11 +47,13 @@ def run_bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def test_bench_end_to_end(tmp_path, draft_dir):
+    # One torch thread: this checks the machinery, not speed, and one thread never spins against other
+    # processes on a shared machine.
     out = tmp_path / "results"
     done = run_bench(
         "--quick", "--workloads", "grounded,qa,humaneval", "--limit", "1", "--max-tokens", "6",
         "--calibration-prompts", "2", "--calibration-max-tokens", "8",
-        "--sweep-taus", "0.01,0.1", "--sweep-lambdas", "2,6", "--sweep-prompts", "1",
+        "--sweep-taus", "0.01", "--sweep-lambdas", "2,6", "--sweep-prompts", "1", "--threads", "1",
         "--replay-passes", "2", "--replay-prompts", "1", "--draft-model", str(draft_dir), "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -78,7 +80,7 @@ def test_bench_end_to_end(tmp_path, draft_dir):
     assert report["lossless"]["passed"], report["lossless"]["mismatches"]
     assert report["lossless"]["checked"] == 3 * 2  # sd and sd-model on three prompts
     assert report["calibration"]["drafters"]["ngram"]["prompts"] == 2
-    assert len(report["sweep"]["points"]) == 4
+    assert len(report["sweep"]["points"]) == 2
     assert len(report["replay"]["requests"]) == 2
     assert {g["status"] for g in report["goals"]} <= {"met", "missed", "not measured"}
     assert len(report["goals"]) == 10
