@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,13 +109,6 @@ class Aggregate:
         if self.decode_seconds <= 0 or self.draft_tokens is None:
             return None
         return self.ocm_seconds / self.decode_seconds
-
-
-def merge_histograms(outputs: Sequence[RunOutput]) -> Counter:
-    total: Counter = Counter()
-    for out in outputs:
-        total.update(out.tokens_per_forward)
-    return total
 
 
 # ---------------------------------------------------------------- quality

@@ -32,17 +32,24 @@ def speedup_per_workload(report: dict, path: Path) -> None:
 def acceptance_histogram(report: dict, path: Path) -> None:
     histograms = report["acceptance_histograms"]
     methods = list(histograms)
-    sizes = sorted({int(n) for h in histograms.values() for n in h})
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    sizes = list(range(report["config"]["num_speculative_tokens"] + 1))
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
     width = 0.8 / max(1, len(methods))
     for j, method in enumerate(methods):
-        h = {int(n): c for n, c in histograms[method].items()}
-        total = sum(h.values()) or 1
+        h = {int(n): c for n, c in histograms[method]["drafted_rounds"].items()}
+        drafted = sum(h.values())
+        undrafted = histograms[method]["undrafted_rounds"]
+        share_undrafted = undrafted / (drafted + undrafted) if drafted + undrafted else 0.0
         xs = [n + (j - (len(methods) - 1) / 2) * width for n in sizes]
-        ax.bar(xs, [h.get(n, 0) / total for n in sizes], width, label=method)
+        ax.bar(
+            xs,
+            [h.get(n, 0) / (drafted or 1) for n in sizes],
+            width,
+            label=f"{method} ({share_undrafted:.0%} of forwards had no draft)",
+        )
     ax.set_xticks(sizes)
-    ax.set_xlabel("tokens emitted per target forward (kept draft tokens + 1)")
-    ax.set_ylabel("share of target forwards")
+    ax.set_xlabel("draft tokens kept (accepted + rescued) in a round that carried a draft")
+    ax.set_ylabel("share of drafted rounds")
     ax.set_title("Acceptance length, all workloads")
     ax.legend(fontsize=8)
     fig.tight_layout()

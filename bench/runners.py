@@ -83,8 +83,9 @@ class RunOutput:
     )
     ocm_seconds: float = 0.0
     decode_seconds: float = 0.0  # our engine: time in decoding rounds (the OCM share's denominator)
-    # tokens emitted per target forward -> number of forwards (the acceptance-length histogram)
-    tokens_per_forward: Counter = field(default_factory=Counter)
+    # kept draft tokens (accepted + rescued) in a round that carried a draft -> rounds (acceptance lengths)
+    kept_per_round: Counter = field(default_factory=Counter)
+    undrafted_rounds: int = 0  # rounds where the drafter had nothing to propose
     # rescued tokens as (draft token, the target token it replaced)
     rescues: list[tuple[int, int]] = field(default_factory=list)
 
@@ -105,13 +106,17 @@ def run_engine(
         tau=config.tau,
         lossy_threshold=config.lossy_threshold,
     )
-    histogram: Counter = Counter()
+    kept: Counter = Counter()
+    undrafted = 0
     started = time.perf_counter()
     generation = engine.generate(
         prompt_ids, SamplingParams(max_tokens=max_tokens), speculative, drafter=spec.drafter or "ngram"
     )
     for step in generation:
-        histogram[len(step.tokens)] += 1
+        if step.round.num_draft_tokens:
+            kept[step.round.num_kept] += 1
+        else:
+            undrafted += 1
     seconds = time.perf_counter() - started
     stats = generation.stats
     return RunOutput(
@@ -125,7 +130,8 @@ def run_engine(
         recovered=stats.num_recovered if speculative.speculates else None,
         ocm_seconds=stats.ocm_seconds,
         decode_seconds=stats.decode_seconds,
-        tokens_per_forward=histogram,
+        kept_per_round=kept,
+        undrafted_rounds=undrafted,
         rescues=[
             (t.token_id, t.replaced_token_id) for t in generation.tokens if t.replaced_token_id is not None
         ],

@@ -191,19 +191,23 @@ def lossless_check(bench: Bench, results: list[WorkloadResult], specs: list[Meth
     }
 
 
-def acceptance_histograms(
-    results: list[WorkloadResult], specs: list[MethodSpec]
-) -> dict[str, dict[int, int]]:
-    """Method -> {tokens emitted per target forward: forwards}, pooled over every workload (our engine only)."""
-    histograms: dict[str, dict[int, int]] = {}
+def acceptance_histograms(results: list[WorkloadResult], specs: list[MethodSpec]) -> dict[str, dict]:
+    """Method -> kept draft tokens per drafted round {kept: rounds}, and the rounds without a draft, pooled over
+    every workload (our engine only: the peer does not expose its rounds)."""
+    histograms: dict[str, dict] = {}
     for spec in specs:
         if not spec.is_ours or spec.label == "vanilla":
             continue
         total: Counter = Counter()
+        undrafted = 0
         for result in results:
             for run in result.runs:
-                total.update(run.outputs[spec.label].tokens_per_forward)
-        histograms[spec.label] = dict(sorted(total.items()))
+                total.update(run.outputs[spec.label].kept_per_round)
+                undrafted += run.outputs[spec.label].undrafted_rounds
+        histograms[spec.label] = {
+            "drafted_rounds": dict(sorted(total.items())),
+            "undrafted_rounds": undrafted,
+        }
     return histograms
 
 
