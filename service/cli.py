@@ -213,8 +213,7 @@ def read_prompt_file(path: Path) -> Iterator[dict]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from service.decoding.text import encode_chat, encode_prompt
-    from service.decoding.types import SpeculativeConfig
+    from service.calibration import calibrate
 
     items = list(read_prompt_file(args.prompts))
     if not items:
@@ -222,37 +221,33 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     runtime = _build_runtime(args)
     try:
-        tok = runtime.target.tokenizer
-        drafter = settings.drafter
-        namespace = runtime.namespaces[drafter]
+        namespace = runtime.namespaces[settings.drafter]
         before = runtime.store.status().patterns
-        spec = SpeculativeConfig(method=Method.SD, num_speculative_tokens=settings.num_speculative_tokens)
-        sampling = SamplingParams(max_tokens=args.max_tokens)
         started = time.perf_counter()
-        rejections = 0
-        for i, item in enumerate(items, 1):
-            if "messages" in item:
-                ids = encode_chat(tok, item["messages"])
-            elif "prompt" in item:
-                ids = encode_chat(tok, [{"role": "user", "content": item["prompt"]}])
-            else:
-                ids = encode_prompt(tok, item["text"])
-            generation = runtime.engine.generate(ids, sampling, spec, drafter=drafter, record_strict=True)
-            for _ in generation:
-                pass
-            rejections += generation.stats.num_recovered
+
+        def progress(done) -> None:
             print(
-                f"\rcalibrating {i}/{len(items)}: {rejections} divergences recorded",
+                f"\rcalibrating {done.prompts}/{len(items)}: {done.divergences} divergences recorded",
                 end="",
                 file=sys.stderr,
                 flush=True,
             )
+
+        result = calibrate(
+            runtime.engine,
+            items,
+            drafter=settings.drafter,
+            num_speculative_tokens=settings.num_speculative_tokens,
+            max_tokens=args.max_tokens,
+            on_prompt=progress,
+        )
         print(file=sys.stderr)
         runtime.store.close()
         after = runtime.store.status().patterns
         print(
-            f"calibrated {len(items)} prompts in {time.perf_counter() - started:.1f}s: {rejections} divergences, "
-            f"{after - before} new patterns ({after} in the store) for {namespace.key}"
+            f"calibrated {result.prompts} prompts in {time.perf_counter() - started:.1f}s: "
+            f"{result.divergences} divergences, {after - before} new patterns ({after} in the store) "
+            f"for {namespace.key}"
         )
     finally:
         runtime.close()

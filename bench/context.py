@@ -1,0 +1,78 @@
+"""The state one benchmark run shares: models, drafters, the calibrated OCM, quality scorers, progress bar."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from bench.calibration import copy_store, engine_with_store
+from bench.config import BenchConfig
+from bench.metrics import LogLikelihoodScorer, SentenceEmbedder
+from bench.runners import MethodSpec, RunOutput, run_engine, run_hf
+from ocm_store.memory import InMemoryStore
+from service.decoding import Drafter, Engine, LoadedModel, ModelDrafter, NgramDrafter, SpeculativeConfig
+
+
+@dataclass
+class Bench:
+    config: BenchConfig
+    target: LoadedModel
+    draft: LoadedModel | None
+    drafters: dict[str, Drafter]
+    progress: tqdm
+    calibrated: InMemoryStore = field(default_factory=InMemoryStore)
+    _embedder: SentenceEmbedder | None = None
+    _scorer: LogLikelihoodScorer | None = None
+
+    @classmethod
+    def create(
+        cls, config: BenchConfig, target: LoadedModel, draft: LoadedModel | None, progress: tqdm
+    ) -> Bench:
+        drafters: dict[str, Drafter] = {"ngram": NgramDrafter(config.ngram_min, config.ngram_max)}
+        if draft is not None:
+            drafters["model"] = ModelDrafter(draft)
+        return cls(config, target, draft, drafters, progress)
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        return self.config.speculative()
+
+    @property
+    def embedder(self) -> SentenceEmbedder:
+        if self._embedder is None:
+            self._embedder = SentenceEmbedder()
+        return self._embedder
+
+    @property
+    def scorer(self) -> LogLikelihoodScorer:
+        if self._scorer is None:
+            self._scorer = LogLikelihoodScorer(self.target)
+        return self._scorer
+
+    def engines(self) -> dict[str | None, Engine]:
+        """Fresh engines for one experiment: OCM "cold" (empty), "calibrated" (a copy), None (no OCM).
+
+        Both OCMs keep learning online while the experiment serves, as they would in the service.
+        """
+        return {
+            None: Engine(self.target, dict(self.drafters)),
+            "cold": engine_with_store(self.target, self.drafters, InMemoryStore()),
+            "calibrated": engine_with_store(self.target, self.drafters, copy_store(self.calibrated)),
+        }
+
+    def run(
+        self,
+        spec: MethodSpec,
+        engines: dict[str | None, Engine],
+        prompt_ids: list[int],
+        max_tokens: int | None = None,
+        speculative: SpeculativeConfig | None = None,
+    ) -> RunOutput:
+        max_tokens = max_tokens or self.config.max_tokens
+        speculative = speculative or self.speculative
+        if spec.runner == "hf":
+            return run_hf(
+                self.target, spec, prompt_ids, max_tokens, speculative.num_speculative_tokens, self.draft
+            )
+        return run_engine(engines[spec.ocm], spec, prompt_ids, max_tokens, speculative)

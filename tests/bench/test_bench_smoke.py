@@ -1,0 +1,98 @@
+"""`python -m bench` end to end on a few prompts with tiny outputs: the machinery, not the figures.
+
+Runs the real command in a subprocess (the embedded target, a tiny random draft model saved to disk, the real
+OCM calibration, HumanEval execution, MiniLM similarity, plots) and checks the report it leaves behind.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+ROW_FIELDS = {
+    "prompts", "tokens", "seconds", "tokens_per_second", "speedup", "tokens_per_forward", "forwards_per_token",
+    "acceptance_rate", "rescue_rate", "ocm_share", "exact_match", "loglik_per_token", "similarity", "task_score",
+}  # fmt: skip
+METHODS = {
+    "vanilla", "sd", "lossy", "csd-cold", "csd", "hf-greedy", "hf-pld",
+    "sd-model", "lossy-model", "csd-model-cold", "csd-model", "hf-assisted",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def draft_dir(embedded, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-draft")
+    tiny = make_tiny_model(embedded)
+    tiny.model.save_pretrained(path)
+    tiny.tokenizer.save_pretrained(path)
+    return path
+
+
+def run_bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
+
+
+def test_bench_end_to_end(tmp_path, draft_dir):
+    # One torch thread: this checks the machinery, not speed, and one thread never spins against other
+    # processes on a shared machine.
+    out = tmp_path / "results"
+    done = run_bench(
+        "--quick", "--workloads", "grounded,qa,humaneval", "--limit", "1", "--max-tokens", "6",
+        "--calibration-prompts", "2", "--calibration-max-tokens", "8",
+        "--sweep-taus", "0.01", "--sweep-lambdas", "2,6", "--sweep-prompts", "1", "--threads", "1",
+        "--replay-passes", "2", "--replay-prompts", "1", "--draft-model", str(draft_dir), "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reproduce: " in done.stderr and "-m bench --quick" in done.stderr
+    assert "machine: " in done.stderr and "torch" in done.stderr
+    assert "| workload | method |" in done.stdout  # the markdown table is printed
+
+    for name in ("report.json", "report.md", "outputs.jsonl", "speedup.png", "acceptance_length.png", "sweep.png",
+                 "online_learning.png"):  # fmt: skip
+        assert (out / name).stat().st_size > 0, name
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["workloads"]) == {"grounded", "qa", "humaneval"}
+    for workload in report["workloads"].values():
+        assert set(workload["methods"]) == METHODS
+        for method, row in workload["methods"].items():
+            assert set(row) >= ROW_FIELDS, method
+            assert row["tokens"] > 0 and row["tokens_per_second"] > 0
+    grounded = report["workloads"]["grounded"]["methods"]
+    assert grounded["vanilla"]["speedup"] == pytest.approx(1.0)
+    assert grounded["vanilla"]["tokens_per_forward"] == pytest.approx(1.0)
+    assert report["workloads"]["humaneval"]["methods"]["csd"]["task_metric"] == "pass@1"
+    assert report["workloads"]["qa"]["methods"]["csd"]["task_metric"] == "accuracy"
+
+    assert report["lossless"]["passed"], report["lossless"]["mismatches"]
+    assert report["lossless"]["checked"] == 3 * 2  # sd and sd-model on three prompts
+    assert report["calibration"]["drafters"]["ngram"]["prompts"] == 2
+    assert len(report["sweep"]["points"]) == 2
+    assert len(report["replay"]["requests"]) == 2
+    assert {g["status"] for g in report["goals"]} <= {"met", "missed", "not measured"}
+    assert len(report["goals"]) == 10
+    assert report["meta"]["machine"]["torch_threads"] >= 1
+    lines = (out / "outputs.jsonl").read_text().splitlines()
+    assert len(lines) == 3 * len(METHODS)
+
+
+def test_bad_option_is_one_line_and_exit_2():
+    done = run_bench("--workloads", "grounded,poetry", timeout=60)
+    assert done.returncode == 2
+    assert "poetry" in done.stderr and "Traceback" not in done.stderr
+    done = run_bench("--limit", "0", timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["bench: error: --limit must be >= 1"]
