@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from ocm_store.base import Namespace, OCMStore
 from ocm_store.memory import InMemoryStore
 from service.calibration import CalibrationResult, calibrate
-from service.decoding import Drafter, Engine, LoadedModel, vocabulary_hash
+from service.decoding import Drafter, DraftPolicy, Engine, LoadedModel, vocabulary_hash
 
 
 def namespaces(target: LoadedModel, drafters: Mapping[str, Drafter]) -> dict[str, Namespace]:
@@ -20,9 +20,11 @@ def namespaces(target: LoadedModel, drafters: Mapping[str, Drafter]) -> dict[str
     return {name: Namespace(target_id, d.identity, vocab) for name, d in drafters.items()}
 
 
-def engine_with_store(target: LoadedModel, drafters: Mapping[str, Drafter], store: OCMStore) -> Engine:
+def engine_with_store(
+    target: LoadedModel, drafters: Mapping[str, Drafter], store: OCMStore, policy: DraftPolicy | None = None
+) -> Engine:
     spaces = namespaces(target, drafters)
-    return Engine(target, dict(drafters), {name: store.memory(ns) for name, ns in spaces.items()})
+    return Engine(target, dict(drafters), {name: store.memory(ns) for name, ns in spaces.items()}, policy)
 
 
 def copy_store(source: OCMStore) -> InMemoryStore:

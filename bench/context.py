@@ -11,7 +11,16 @@ from bench.config import BenchConfig
 from bench.metrics import LogLikelihoodScorer, SentenceEmbedder
 from bench.runners import MethodSpec, RunOutput, run_engine, run_hf
 from ocm_store.memory import InMemoryStore
-from service.decoding import Drafter, Engine, LoadedModel, ModelDrafter, NgramDrafter, SpeculativeConfig
+from service.decoding import (
+    Drafter,
+    DraftPolicy,
+    Engine,
+    LoadedModel,
+    ModelDrafter,
+    NgramDrafter,
+    SpeculativeConfig,
+)
+from service.decoding.draft_policy import measure_forward_costs
 
 
 @dataclass
@@ -22,6 +31,8 @@ class Bench:
     drafters: dict[str, Drafter]
     progress: tqdm
     calibrated: InMemoryStore = field(default_factory=InMemoryStore)
+    # target forward seconds for 1..k+1 tokens, for the adaptive methods' draft policy
+    forward_costs: list[float] = field(default_factory=list)
     _embedder: SentenceEmbedder | None = None
     _scorer: LogLikelihoodScorer | None = None
 
@@ -32,7 +43,8 @@ class Bench:
         drafters: dict[str, Drafter] = {"ngram": NgramDrafter(config.ngram_min, config.ngram_max)}
         if draft is not None:
             drafters["model"] = ModelDrafter(draft)
-        return cls(config, target, draft, drafters, progress)
+        costs = measure_forward_costs(target.model, config.speculative().num_speculative_tokens + 1)
+        return cls(config, target, draft, drafters, progress, forward_costs=costs)
 
     @property
     def speculative(self) -> SpeculativeConfig:
@@ -59,6 +71,11 @@ class Bench:
             None: Engine(self.target, dict(self.drafters)),
             "cold": engine_with_store(self.target, self.drafters, InMemoryStore()),
             "calibrated": engine_with_store(self.target, self.drafters, copy_store(self.calibrated)),
+            # each with a policy of its own, so one method's acceptance never steers another's drafts
+            "adaptive": Engine(self.target, dict(self.drafters), policy=DraftPolicy(self.forward_costs)),
+            "calibrated-adaptive": engine_with_store(
+                self.target, self.drafters, copy_store(self.calibrated), DraftPolicy(self.forward_costs)
+            ),
         }
 
     def run(

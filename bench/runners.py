@@ -25,7 +25,9 @@ class MethodSpec:
     runner: str  # "engine" or "hf"
     method: Method | None = None  # engine only
     drafter: str | None = None  # "ngram" or "model"
-    ocm: str | None = None  # csd only: "cold" (empty at the start of each workload) or "calibrated"
+    # which engine runs it: None (no OCM), "cold" (OCM empty at the start of each workload), "calibrated";
+    # the "-adaptive" variants add the service's default cost-aware draft policy (service/decoding/draft_policy.py)
+    ocm: str | None = None
     hf_mode: str | None = None  # hf only: "greedy", "prompt_lookup" or "assisted"
 
     @property
@@ -50,6 +52,9 @@ def method_specs(with_draft_model: bool, with_peer: bool = True) -> list[MethodS
         MethodSpec("lossy", "engine", Method.LOSSY, "ngram"),
         CSD_COLD,
         CSD,
+        # as `csd serve` runs by default: drafts verified only as far as they pay (measured forward costs)
+        MethodSpec("sd-adaptive", "engine", Method.SD, "ngram", ocm="adaptive"),
+        MethodSpec("csd-adaptive", "engine", Method.CSD, "ngram", ocm="calibrated-adaptive"),
     ]
     if with_peer:
         specs += [
