@@ -79,10 +79,10 @@ def settings_from_args(args: argparse.Namespace):  # -> Settings
         raise CLIError(str(exc)) from None
 
 
-def _build_runtime(args: argparse.Namespace):
+def _build_runtime(args: argparse.Namespace, **overrides):
     from service.decoding.paths import check_model_spec
 
-    settings = settings_from_args(args)
+    settings = settings_from_args(args).model_copy(update=overrides)
     for spec in (settings.model, settings.draft_model):
         if spec:
             check_model_spec(spec)  # a missing or broken file is reported before the slow imports
@@ -226,7 +226,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise CLIError(f"prompts file {str(args.prompts)!r} holds no prompts")
     settings = settings_from_args(args)
     sampling = SamplingParams(max_tokens=args.max_tokens)  # validate before the slow model load
-    runtime = _build_runtime(args)
+    # Verify every draft in full: calibration is there to record divergences, and the adaptive policy
+    # would skip the drafts it expects to lose, which are exactly the ones that teach the memory.
+    runtime = _build_runtime(args, adaptive_speculation=False)
     from service.decoding.text import encode_chat, encode_prompt
 
     try:

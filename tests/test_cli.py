@@ -22,9 +22,11 @@ PROVENANCES = {"accepted", "rescued", "recovered", "bonus", "plain"}
 SPELLING = "Rewrite in American spelling: The colour of the theatre's centre stage was grey."
 
 
-def csd(*args: str, ocm_path: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def csd(*args: str, ocm_path: Path, timeout: float = 600, **env_vars: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CSD_") or k == "CSD_CACHE_DIR"}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", CSD_OCM_PATH=str(ocm_path))
+    # one torch thread, as in the in-process tests (see the single_thread fixture in conftest.py)
+    env.update(CSD_TORCH_THREADS="1", **env_vars)
     return subprocess.run(
         [sys.executable, "-m", "service.cli", *args],
         cwd=ROOT,
@@ -63,9 +65,12 @@ def test_generate_csd_chat_prints_text_and_statistics(ocm_path):
 
 
 def test_generate_json_has_text_tokens_with_provenance_and_stats(ocm_path):
+    # Fixed speculation, so the drafter is certainly used (on a busy CPU the adaptive policy may find that
+    # no draft pays for itself).
     out = csd(
-        "generate", "--chat", "--json", "--method", "sd", "--max-tokens", "24", SPELLING, ocm_path=ocm_path
-    )
+        "generate", "--chat", "--json", "--method", "sd", "--max-tokens", "24", SPELLING,
+        ocm_path=ocm_path, CSD_ADAPTIVE_SPECULATION="false",
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)  # one JSON object and nothing else on stdout
     assert result["method"] == "sd" and result["drafter"] == "ngram"

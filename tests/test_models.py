@@ -10,6 +10,8 @@ from service.decoding.models import gguf_cache_folder, load_tokenizer_for_displa
 from service.decoding.paths import default_cache_dir, embedded_gguf_path
 from tests.conftest import WORDS, make_word_model, make_word_tokenizer
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 @pytest.fixture(scope="module")
 def words():

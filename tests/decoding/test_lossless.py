@@ -30,6 +30,9 @@ LONG = 2  # the prompt whose output runs to MAX_TOKENS
 MAX_TOKENS = 32
 NEAR_TIE = 1e-3  # logit gap below which a flip between batched and one-token forwards is floating point
 
+# One torch thread: see the fixture (on shared cores a second thread makes each forward several times slower).
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def run(engine, ids, method, drafter="ngram", max_tokens=MAX_TOKENS, stop=(), **spec):
     sampling = SamplingParams(max_tokens=max_tokens, stop=tuple(stop))

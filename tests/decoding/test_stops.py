@@ -21,6 +21,9 @@ CAPITAL = "What is the capital of France?"
 WEEK = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday, Wednesday,"
 MULTIBYTE = "😀🎉 café naïve 日本語 ½ Ωmega\n😀🎉 café naïve 日本語 ½ Ωmega\n😀🎉 café"
 
+# One torch thread: see the fixture (on shared cores a second thread makes each forward several times slower).
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 @pytest.fixture(scope="module")
 def engine(embedded):
