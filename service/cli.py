@@ -79,17 +79,23 @@ def settings_from_args(args: argparse.Namespace):  # -> Settings
         raise CLIError(str(exc)) from None
 
 
-def _build_runtime(args: argparse.Namespace):
+def _build_runtime(args: argparse.Namespace, **overrides):
+    from service.decoding.paths import check_model_spec
+
+    settings = settings_from_args(args).model_copy(update=overrides)
+    for spec in (settings.model, settings.draft_model):
+        if spec:
+            check_model_spec(spec)  # a missing or broken file is reported before the slow imports
+    _quiet_libraries()
     from service.runtime import Runtime
 
-    settings = settings_from_args(args)
     if args.command != "serve":
         print(f"csd: loading {settings.model} ...", file=sys.stderr, flush=True)
     return Runtime.build(settings)
 
 
 def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    """Called just before the heavy imports: validating arguments never pays for transformers."""
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -124,13 +130,13 @@ def _sampling_from_args(args: argparse.Namespace, settings) -> SamplingParams:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from service.decoding.text import encode_chat, encode_prompt
-
     prompt = _read_prompt(args)
     settings = settings_from_args(args)
     sampling = _sampling_from_args(args, settings)  # validate before the slow model load
     spec = settings.speculative_config()
     runtime = _build_runtime(args)
+    from service.decoding.text import encode_chat, encode_prompt
+
     try:
         tok = runtime.target.tokenizer
         if args.chat:
@@ -219,7 +225,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not items:
         raise CLIError(f"prompts file {str(args.prompts)!r} holds no prompts")
     settings = settings_from_args(args)
-    runtime = _build_runtime(args)
+    SamplingParams(max_tokens=args.max_tokens)  # validates the budget before the slow model load
+    # Verify every draft in full: calibration is there to record divergences, and the adaptive policy
+    # would skip the drafts it expects to lose, which are exactly the ones that teach the memory.
+    runtime = _build_runtime(args, adaptive_speculation=False)
     try:
         namespace = runtime.namespaces[settings.drafter]
         before = runtime.store.status().patterns
@@ -295,9 +304,10 @@ def _decoder(args: argparse.Namespace):
     if args.raw:
         return None
     try:
+        settings = settings_from_args(args)
+        _quiet_libraries()
         from service.decoding.models import load_tokenizer_for_display
 
-        settings = settings_from_args(args)
         return load_tokenizer_for_display(settings.model, settings.cache_dir)
     except Exception:  # display only: fall back to ids
         return None
@@ -391,9 +401,10 @@ LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    _quiet_libraries()
     from service.api.server import bind_socket, serve
 
-    settings = settings_from_args(args)
     log_level = args.log_level or os.environ.get("CSD_LOG_LEVEL", "info").lower()
     # Our own loggers follow --log-level too (the root logger stays at CSD_LOG_LEVEL for libraries).
     for name in ("service", "ocm_store"):
@@ -505,11 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "lambda_", None) is not None and math.isnan(args.lambda_):
         print("csd: error: lambda must be a number >= 0", file=sys.stderr)
         return EXIT_USAGE
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        _quiet_libraries()
         return args.func(args)
     except (CLIError, DecodingError, OCMStoreError) as exc:
-        print(f"csd: error: {exc}", file=sys.stderr)
+        # one line, whatever a library put in the message
+        print(f"csd: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(file=sys.stderr)

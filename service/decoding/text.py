@@ -66,8 +66,11 @@ class StopMatcher:
         if not self.stop:
             return delta, False
         self.pending += delta
-        cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        # The stop string that *completes* first wins (ties: the longer one), wherever it starts: the same
+        # answer whether the text arrives a character or a paragraph at a time.
+        hits = [(i + len(s), i) for s in self.stop if (i := self.pending.find(s)) >= 0]
+        if hits:
+            cut = min(hits)[1]
             out, self.pending = self.pending[:cut], ""
             return out, True
         if self.hold == 0:

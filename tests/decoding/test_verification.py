@@ -18,6 +18,9 @@ from service.decoding.verification import (
 )
 
 V = 8
+
+# many tiny ops: a second torch thread only adds synchronisation (see the fixture)
+pytestmark = pytest.mark.usefixtures("single_thread")
 NS = Namespace("target", "ngram", "vocab")
 
 

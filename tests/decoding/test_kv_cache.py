@@ -1,0 +1,156 @@
+"""KV rollback: after a crop, the caches give the logits a fresh prefill of the kept tokens gives.
+
+Tolerance: everything runs in float32. A fresh prefill computes all positions in one batched matmul, the
+incremental path one or a few rows at a time; the kernels then sum in a different order, which moves the
+logits in their last bits (measured when this was written: up to 1.4e-5 on the tiny model, 3.2e-5 on the
+embedded one, whose logits reach ~30). A wrong rollback (a stale or missing position in the cache) moves
+them by O(1). atol = 1e-3 leaves 30x room for other CPUs' kernels and still separates the two by orders of
+magnitude.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from service.decoding import Engine, ModelDrafter, NgramDrafter, SamplingParams, SpeculativeConfig
+from service.decoding.drafters import ModelDraftSession
+from service.decoding.kv_cache import crop_cache
+from service.decoding.verification import sampling_probs
+from tests.conftest import make_word_model
+
+ATOL = 1e-3
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def words():
+    return make_word_model(seed=3)
+
+
+def fresh_logits(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] logits of one forward over ids with no cache."""
+    with torch.inference_mode():
+        return model.model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def cached_logits(model, cache: DynamicCache, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.model(input_ids=torch.tensor([ids]), cache=cache).logits[0].float()
+
+
+def check_target_rollback(model, prompt: list[int], draft: list[int], kept: int, after: list[int]):
+    """The engine's target step: prefill, a forward over a draft, crop to prompt + kept draft tokens, then
+    extend with `after`. Its logits must equal a fresh prefill of the same tokens."""
+    cache = DynamicCache(config=model.model.config)
+    cached_logits(model, cache, prompt)
+    cached_logits(model, cache, draft)
+    crop_cache(cache, len(prompt) + kept)
+    assert cache.get_seq_length() == len(prompt) + kept
+    got = cached_logits(model, cache, after)
+    expected = fresh_logits(model, prompt + draft[:kept] + after)[-len(after) :]
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kept", [0, 1, 3, 5])
+def test_target_cache_crop_equals_fresh_prefill(words, kept):
+    prompt = [2, 3, 4, 5, 6, 7, 2, 3]
+    draft = [8, 9, 10, 11, 2]
+    # after a rejection the recovered token (and next round's draft) follow the kept prefix
+    check_target_rollback(words, prompt, draft, kept, after=[4, 6, 7])
+
+
+def test_target_cache_crop_on_the_embedded_model(embedded):
+    ids = embedded.tokenizer("The colour of the theatre was grey, and the centre")["input_ids"]
+    prompt, draft = ids[:-4], ids[-4:]
+    check_target_rollback(embedded, prompt, draft, kept=2, after=draft[2:3])
+
+
+def test_crop_beyond_the_cache_is_a_no_op(words):
+    cache = DynamicCache(config=words.model.config)
+    cached_logits(words, cache, [2, 3, 4])
+    crop_cache(cache, 10)
+    assert cache.get_seq_length() == 3
+    crop_cache(cache, 3)
+    assert cache.get_seq_length() == 3
+
+
+# ---------------------------------------------------------------- the draft model's rollback
+
+
+def assert_draft_matches_fresh_prefill(draft_model, committed: list[int], proposal) -> None:
+    """Every row of the proposal's distributions equals what a fresh prefill of committed + the tokens
+    drafted before it gives."""
+    assert proposal.probs is not None and len(proposal.probs) == len(proposal.tokens)
+    for i in range(len(proposal.tokens)):
+        logits = fresh_logits(draft_model, committed + proposal.tokens[:i])[-1]
+        expected = sampling_probs(logits, 1.0, 1.0)
+        torch.testing.assert_close(proposal.probs[i], expected, atol=ATOL, rtol=0)
+
+
+def start_session(draft_model, seed: int = 0) -> ModelDraftSession:
+    sampling = SamplingParams(temperature=1.0)  # sampling, so the proposal carries its distributions
+    return ModelDraftSession(draft_model, sampling, torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kept", [0, 2, 4], ids=["first-rejected", "some-kept", "all-kept-bonus"])
+def test_draft_session_rollback_equals_fresh_prefill(words, kept):
+    """Round 1 drafts k = 4 tokens; the target keeps `kept` of them and adds one token; round 2 must see
+    exactly the committed sequence. kept = k is gpt-fast's edge case: the draft never fed its own last
+    token, so round 2 has to feed it along with the bonus token."""
+    session = start_session(words)
+    committed = [2, 3, 4, 5, 6, 7, 2, 3]
+    first = session.propose(committed, 4)
+    assert_draft_matches_fresh_prefill(words, committed, first)
+    # the draft fed its first 3 tokens (the 4th is only sampled)
+    assert session.cache.get_seq_length() == len(committed) + 3
+
+    recovered = next(t for t in range(2, 12) if kept == 4 or t != first.tokens[kept])
+    committed = committed + first.tokens[:kept] + [recovered]
+    second = session.propose(committed, 4)
+    assert_draft_matches_fresh_prefill(words, committed, second)
+    assert session.cached == committed + second.tokens[:3]
+    assert session.cache.get_seq_length() == len(session.cached)
+
+
+def test_draft_session_survives_many_rounds(words):
+    """Rounds of random keep/reject decisions: the cache stays consistent with the committed sequence."""
+    rng = torch.Generator().manual_seed(5)
+    session = start_session(words, seed=1)
+    committed = [2, 3, 4]
+    for _ in range(12):
+        k = int(torch.randint(1, 6, (), generator=rng))
+        proposal = session.propose(committed, k)
+        assert_draft_matches_fresh_prefill(words, committed, proposal)
+        kept = int(torch.randint(0, k + 1, (), generator=rng))
+        committed = committed + proposal.tokens[:kept] + [int(torch.randint(2, 12, (), generator=rng))]
+
+
+# ---------------------------------------------------------------- the engine: no re-encoding
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_engine_feeds_each_token_to_the_target_once_per_round(words, drafter):
+    """One target forward per round over [last committed, draft...]: the target never re-encodes the
+    sequence. Counted with a forward hook on the real model (it observes, it changes nothing)."""
+    fed: list[int] = []
+    handle = words.model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    draft = make_word_model(seed=4, tokenizer=words.tokenizer)
+    engine = Engine(words, {"ngram": NgramDrafter(), "model": ModelDrafter(draft)})
+    prompt = [2, 3, 4, 5, 6, 7, 2, 3, 4, 5]
+    try:
+        generation = engine.generate(
+            prompt, SamplingParams(max_tokens=24, ignore_eos=True), SpeculativeConfig(method="sd"), drafter
+        )
+        steps = list(generation)
+    finally:
+        handle.remove()
+    assert fed[0] == len(prompt) - 1  # prefill: all but the last prompt token
+    rounds = fed[1:]
+    assert len(rounds) == len(steps) == generation.stats.target_forwards
+    assert [1 + s.round.num_draft_tokens for s in steps] == rounds
+    assert generation.stats.num_draft_tokens > 0

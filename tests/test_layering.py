@@ -1,0 +1,76 @@
+"""The decoding core imports torch and transformers only: no web framework, Redis, metrics or settings, and
+nothing of the service or the OCM store (they meet it through its small interfaces)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ROOT / "service" / "decoding"
+# named for the failure message; the rule itself is the allow-list below
+FORBIDDEN = (
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "redis",
+    "prometheus_client",
+    "pydantic_settings",
+    "ocm_store",
+    "service.api",
+    "service.config",
+    "service.runtime",
+    "service.cli",
+)
+ALLOWED_THIRD_PARTY = {"torch", "transformers"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):  # relative: stays inside the core package
+            assert node.level == 1, f"{path.name}: relative import above the core package"
+    return names
+
+
+def test_core_sources_import_only_stdlib_torch_transformers_and_the_core():
+    """Every import statement of every core module (also those inside functions and TYPE_CHECKING blocks),
+    read from the source. Since a core module may import only the standard library, torch, transformers
+    and other core modules, nothing of the service can reach the core indirectly either."""
+    files = sorted(CORE.glob("*.py"))
+    assert len(files) > 5
+    for path in files:
+        for name in imported_modules(path):
+            top = name.split(".")[0]
+            assert not any(name == f or name.startswith(f + ".") for f in FORBIDDEN), (
+                f"{path.relative_to(ROOT)} imports {name}"
+            )
+            allowed = (
+                top in sys.stdlib_module_names
+                or top in ALLOWED_THIRD_PARTY
+                or name == "service.decoding"
+                or name.startswith("service.decoding.")
+            )
+            assert allowed, f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_the_cli_and_settings_import_without_torch():
+    """The CLI refuses bad arguments before the ~10 s import of torch and transformers: the modules it
+    needs for that (settings, the core's plain types and paths) must stay light."""
+    code = (
+        "import json, sys, service.cli, service.config, service.decoding.types, service.decoding.paths; "
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
+    )
+    loaded = json.loads(out.stdout)
+    assert "service.cli" in loaded
+    assert [m for m in loaded if m.split(".")[0] in ("torch", "transformers")] == []

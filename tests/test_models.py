@@ -1,0 +1,159 @@
+"""Model loading: the GGUF conversion cache, local folders, and clear errors for what cannot be loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.decoding import DecodingError, check_same_vocabulary, load_model
+from service.decoding.models import gguf_cache_folder, load_tokenizer_for_display
+from service.decoding.paths import default_cache_dir, embedded_gguf_path
+from tests.conftest import WORDS, make_word_model, make_word_tokenizer
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def words():
+    return make_word_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def saved_words(words, tmp_path_factory):
+    """The tiny word model saved as a Hugging Face folder (config.json, safetensors, tokenizer)."""
+    folder = tmp_path_factory.mktemp("words-model")
+    words.model.save_pretrained(folder)
+    words.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def logits(model, ids):
+    with torch.inference_mode():
+        return model.model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+# ---------------------------------------------------------------- the GGUF conversion cache
+
+
+def test_second_load_of_the_embedded_gguf_reuses_the_converted_folder(embedded):
+    """The `embedded` fixture has loaded (and, on a fresh machine, converted) the GGUF file once; going
+    through the GGUF path again must find the converted folder, not convert again: no file in it is
+    rewritten. (That load_model then reads that folder is the next test.)"""
+    folder = gguf_cache_folder(embedded_gguf_path(), default_cache_dir())
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert str(embedded_gguf_path().resolve()) in (folder / "csd_source.json").read_text()
+    assert embedded.revision in folder.name
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    tokenizer = load_tokenizer_for_display("embedded")
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+    assert tokenizer.get_vocab() == embedded.tokenizer.get_vocab()
+
+
+def test_a_prepared_cache_folder_is_loaded_instead_of_the_gguf(saved_words, tmp_path):
+    """Whatever sits in the cache folder of a GGUF file is what loads: put the tiny word model there and
+    `embedded` comes back with its 12-word vocabulary, without the GGUF file ever being converted."""
+    folder = gguf_cache_folder(embedded_gguf_path(), tmp_path)
+    folder.parent.mkdir(parents=True)
+    folder.symlink_to(saved_words, target_is_directory=True)
+    loaded = load_model("embedded", cache_dir=tmp_path)
+    assert loaded.model.config.vocab_size == len(WORDS)
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [folder.name]
+
+
+# ---------------------------------------------------------------- local folders
+
+
+def test_a_saved_folder_loads_the_same_model(words, saved_words):
+    loaded = load_model(str(saved_words))
+    assert loaded.name == str(saved_words) and loaded.revision == "local"
+    assert loaded.tokenizer.get_vocab() == words.tokenizer.get_vocab()
+    ids = [2, 3, 4, 5, 6]
+    torch.testing.assert_close(logits(loaded, ids), logits(words, ids), atol=1e-6, rtol=0)
+
+
+def test_dtype_is_applied_and_validated(saved_words):
+    assert load_model(str(saved_words), dtype="bfloat16").model.dtype == torch.bfloat16
+    assert load_model(str(saved_words)).model.dtype == torch.float32  # auto on CPU: float32
+    for bad in ("float64", "int8", ""):
+        with pytest.raises(DecodingError, match="unknown dtype") as info:
+            load_model(str(saved_words), dtype=bad)
+        assert "float32" in str(info.value)  # says what would be accepted
+
+
+def test_an_unknown_device_is_refused(saved_words):
+    with pytest.raises(DecodingError, match="device 'gpu-9'"):
+        load_model(str(saved_words), device="gpu-9")
+
+
+# ---------------------------------------------------------------- what cannot be loaded
+
+
+def test_a_file_that_is_not_gguf_is_refused_before_anything_is_cached(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("this is not a model\n")
+    cache = tmp_path / "cache"
+    with pytest.raises(DecodingError, match="is not a GGUF file") as info:
+        load_model(str(fake), cache_dir=cache)
+    assert str(fake) in str(info.value)
+    assert not (cache / "models").exists() or not any((cache / "models").iterdir())
+
+
+def test_a_broken_gguf_file_is_refused_in_one_line(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(range(256)) * 4)  # the magic, then garbage
+    cache = tmp_path / "cache"
+    with pytest.raises(DecodingError, match="cannot load GGUF file") as info:
+        load_model(str(broken), cache_dir=cache)
+    assert "\n" not in str(info.value)
+    leftovers = list((cache / "models").iterdir()) if (cache / "models").exists() else []
+    assert leftovers == []  # no half-written cache folder
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("/nonexistent/dir/model.gguf", "does not exist"),
+        ("./no-such-model-folder", "does not exist"),
+        ("~/no-such-model.gguf", "does not exist"),
+        ("no-such-org/no-such-model", "cannot load model 'no-such-org/no-such-model'"),
+    ],
+)
+def test_a_missing_model_gives_a_clear_error(spec, message):
+    with pytest.raises(DecodingError, match=message) as info:
+        load_model(spec)
+    assert "\n" not in str(info.value)
+
+
+def test_folders_without_exactly_one_model_are_refused(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DecodingError, match="neither a config.json nor a .gguf file"):
+        load_model(str(empty))
+    several = tmp_path / "several"
+    several.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (several / name).write_bytes(b"GGUF")
+    with pytest.raises(DecodingError, match="several .gguf files"):
+        load_model(str(several))
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "model.gguf").write_text("not gguf")
+    with pytest.raises(DecodingError, match="is not a GGUF file"):
+        load_model(str(one), cache_dir=tmp_path / "cache")
+
+
+# ---------------------------------------------------------------- draft vocabulary
+
+
+def test_a_draft_with_another_vocabulary_is_refused_naming_both(words):
+    other_words = make_word_tokenizer(WORDS[:2] + ("le", "chat", "est", "sur", "un", "tapis"))
+    draft = make_word_model(seed=1, tokenizer=other_words)
+    with pytest.raises(DecodingError) as info:
+        check_same_vocabulary(words, draft)
+    assert words.name in str(info.value) and draft.name in str(info.value)
+    # same words, other ids: token ids are not comparable either
+    shuffled = make_word_tokenizer(WORDS[:2] + tuple(reversed(WORDS[2:])))
+    with pytest.raises(DecodingError, match="vocabulary"):
+        check_same_vocabulary(words, make_word_model(seed=2, tokenizer=shuffled))
+    # a draft with the very same tokenizer is fine
+    check_same_vocabulary(words, make_word_model(seed=3, tokenizer=words.tokenizer))
