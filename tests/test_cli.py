@@ -98,7 +98,7 @@ def test_calibrate_then_ocm_top_shows_decoded_patterns(tmp_path, ocm_path):
         + "Write the days of the week, one per line, twice.\n",  # a plain line is a prompt too
         encoding="utf-8",
     )
-    out = csd("calibrate", "--prompts", str(prompts), "--max-tokens", "24", ocm_path=ocm_path)
+    out = csd("calibrate", "--prompts", str(prompts), "--max-tokens", "16", ocm_path=ocm_path)
     assert out.returncode == 0, out.stderr
     match = re.search(r"calibrated 2 prompts in [\d.]+s: (\d+) divergences", out.stdout)
     assert match, out.stdout

@@ -103,7 +103,8 @@ def boundary_stops(embedded, generation) -> list[str]:
 @pytest.mark.parametrize("method, k", METHODS)
 def test_stop_string_across_tokens_cuts_exactly_and_never_streams(engine, embedded, capital, method, k):
     stops = boundary_stops(embedded, capital)
-    assert len(stops) >= 4, stops
+    assert len(stops) >= 3, stops
+    stops = [stops[0], stops[len(stops) // 2], stops[-1]]  # early, middle, and the three-token one
     ids = chat(embedded, CAPITAL)
     for stop in stops:
         generation, steps = generate(engine, ids, method, k, max_tokens=40, stop=(stop,))
