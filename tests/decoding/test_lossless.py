@@ -179,3 +179,13 @@ def test_sd_with_adaptive_draft_policy_equals_vanilla(embedded, prompt_ids, vani
     engine = Engine(embedded, {"ngram": NgramDrafter()}, policy=policy)
     sd = run(engine, prompt_ids[1], "sd")
     assert_same_tokens(embedded, prompt_ids[1], token_ids(sd), token_ids(vanilla(1)))
+
+
+def test_a_real_mismatch_is_not_taken_for_a_near_tie(embedded, prompt_ids, vanilla):
+    """The near-tie escape of assert_same_tokens only opens for a gap below NEAR_TIE."""
+    reference = token_ids(vanilla(0))
+    with torch.inference_mode():
+        row = embedded.model(input_ids=torch.tensor([prompt_ids[0] + reference[:2]])).logits[0, -1]
+    wrong = reference[:2] + [int(row.argmin())] + reference[3:]
+    with pytest.raises(AssertionError, match="not lossless: first difference at generated position 2"):
+        assert_same_tokens(embedded, prompt_ids[0], wrong, reference)
