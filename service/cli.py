@@ -219,8 +219,6 @@ def read_prompt_file(path: Path) -> Iterator[dict]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from service.calibration import calibrate
-
     items = list(read_prompt_file(args.prompts))
     if not items:
         raise CLIError(f"prompts file {str(args.prompts)!r} holds no prompts")
@@ -229,6 +227,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     # Verify every draft in full: calibration is there to record divergences, and the adaptive policy
     # would skip the drafts it expects to lose, which are exactly the ones that teach the memory.
     runtime = _build_runtime(args, adaptive_speculation=False)
+    from service.calibration import calibrate  # imports torch: only once the arguments are known good
+
     try:
         namespace = runtime.namespaces[settings.drafter]
         before = runtime.store.status().patterns

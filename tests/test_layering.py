@@ -74,3 +74,27 @@ def test_the_cli_and_settings_import_without_torch():
     loaded = json.loads(out.stdout)
     assert "service.cli" in loaded
     assert [m for m in loaded if m.split(".")[0] in ("torch", "transformers")] == []
+
+
+def test_bad_cli_arguments_are_refused_before_torch_is_imported():
+    """A user's typo costs well under a second, not the ~10 s of CPU torch and transformers take to import
+    (a check on what gets imported, not on time)."""
+    bad = [
+        ["generate", ""],
+        ["generate", "hi", "--tau", "0"],
+        ["generate", "hi", "--max-tokens", "0"],
+        ["generate", "hi", "--model", "/nonexistent/model.gguf"],
+        ["calibrate", "--prompts", "/nonexistent/prompts.jsonl"],
+    ]
+    code = (
+        "import json, sys; from service.cli import main; "
+        f"codes = [main(argv) for argv in {bad!r}]; "
+        "print(json.dumps([codes, sorted(m for m in sys.modules if m.split('.')[0] == 'torch')]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
+    )
+    codes, torch_modules = json.loads(out.stdout)
+    assert codes == [2] * len(bad)
+    assert out.stderr.count("csd: error: ") == len(bad)
+    assert torch_modules == []
