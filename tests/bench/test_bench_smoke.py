@@ -19,7 +19,7 @@ ROW_FIELDS = {
     "prompts", "tokens", "seconds", "tokens_per_second", "speedup", "tokens_per_forward", "forwards_per_token",
     "acceptance_rate", "rescue_rate", "ocm_share", "exact_match", "loglik_per_token", "similarity", "task_score",
 }  # fmt: skip
-METHODS = {"vanilla", "sd", "lossy", "csd-cold", "csd", "hf-greedy", "hf-pld"}
+METHODS = {"vanilla", "sd", "lossy", "csd-cold", "csd", "sd-adaptive", "csd-adaptive", "hf-greedy", "hf-pld"}
 
 
 def run_bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -65,7 +65,7 @@ def test_bench_end_to_end(tmp_path):
     assert report["workloads"]["qa"]["methods"]["csd"]["task_metric"] == "accuracy"
 
     assert report["lossless"]["passed"], report["lossless"]["mismatches"]
-    assert report["lossless"]["checked"] == 3  # sd on three prompts
+    assert report["lossless"]["checked"] == 6  # sd and sd-adaptive on three prompts
     assert report["calibration"]["drafters"]["ngram"]["prompts"] == 2
     assert len(report["sweep"]["points"]) == 2
     assert len(report["replay"]["requests"]) == 2
