@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--workloads", type=_workloads, help=f"comma-separated subset of {','.join(WORKLOADS)}")
     p.add_argument("--limit", type=int, help="prompts per workload (default: all; --quick: 2)")
-    p.add_argument("--max-tokens", type=int, help="tokens per generation (default 128; --quick 48)")
+    p.add_argument("--max-tokens", type=int, help="tokens per generation (default 128; --quick 32)")
     p.add_argument("--num-speculative-tokens", type=int)
     p.add_argument("--lambda", dest="lambda_", type=float)
     p.add_argument("--tau", type=float)

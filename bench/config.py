@@ -58,12 +58,12 @@ class BenchConfig:
         values: dict = dict(
             quick=True,
             limit=2,
-            max_tokens=48,
-            calibration_prompts=16,
-            calibration_max_tokens=48,
+            max_tokens=32,
+            calibration_prompts=8,
+            calibration_max_tokens=32,
             sweep_prompts=1,
             replay_passes=2,
-            replay_prompts=4,
+            replay_prompts=3,
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -107,20 +107,30 @@ def online_learning(report: dict, path: Path) -> None:
         ("rescue_rate", "rescue rate", None, None),
         ("tokens_per_second", "tokens/s", references.get("vanilla_tokens_per_second"), "vanilla (grounded)"),
     ]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    for ax, (key, label, reference, reference_label) in zip(axes, panels, strict=True):
+    fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
+
+    def nan(values: list) -> list[float]:
+        return [v if v is not None else float("nan") for v in values]
+
+    for ax, (key, label, reference, reference_label) in zip(axes, panels, strict=False):
         ys = [r[key] for r in requests]
-        ax.plot(xs, [y if y is not None else float("nan") for y in ys], ".", alpha=0.35, label="per request")
-        smooth = _rolling(ys, window)
-        ax.plot(
-            xs, [y if y is not None else float("nan") for y in smooth], "-", label=f"mean of last {window}"
-        )
+        ax.plot(xs, nan(ys), ".", alpha=0.35, label="per request")
+        ax.plot(xs, nan(_rolling(ys, window)), "-", label=f"mean of last {window}")
+        if f"cumulative_{key}" in requests[0]:
+            ax.plot(xs, nan([r[f"cumulative_{key}"] for r in requests]), "-", label="all requests so far")
         if reference is not None:
             ax.axhline(reference, color="grey", linestyle="--", linewidth=0.8, label=reference_label)
+        ax.set_ylabel(label)
+    memory = axes[3]
+    memory.plot(xs, [r["patterns"] for r in requests], "-", label="distinct patterns")
+    memory.plot(
+        xs, [r.get("patterns_over_lambda", 0) for r in requests], "-", label="seen more than lambda times"
+    )
+    memory.set_ylabel("OCM patterns")
+    for ax in axes:
         for r in requests[1:]:
             if r["pass"] != requests[r["request"] - 2]["pass"]:
                 ax.axvline(r["request"] - 0.5, color="black", linewidth=0.5, alpha=0.4)
-        ax.set_ylabel(label)
         ax.legend(fontsize=7, loc="best")
     axes[-1].set_xlabel("requests served (grounded suite, shuffled, each pass separated by a line)")
     fig.suptitle("Online learning: CSD from an empty OCM")

@@ -41,6 +41,24 @@ def forward_cost(bench: Bench, prompt_ids: list[int], sizes: list[int], repeats:
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+def lm_head_cost(bench: Bench, sizes: list[int], repeats: int) -> dict[int, float]:
+    """Median seconds of the target's vocabulary projection alone for n rows: the largest single matmul of a
+    forward, and the plainest view of how the matmul kernel's cost grows from one row (decoding) to k + 1
+    rows (verification)."""
+    weight = bench.target.model.get_output_embeddings().weight  # [V, H]
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    with torch.inference_mode():
+        rows = {
+            n: torch.randn(1, n, weight.shape[1], dtype=weight.dtype, device=weight.device) for n in sizes
+        }
+        for _ in range(repeats):
+            for n in sizes:
+                started = time.perf_counter()
+                torch.nn.functional.linear(rows[n], weight)
+                times[n].append(time.perf_counter() - started)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
 def time_in_forward(bench: Bench, prompt_ids: list[int]) -> dict:
     """One sd generation with the target's forward timed by hooks: the share of the decoding rounds' time
     spent inside it (the prefill forward is left out of both)."""
@@ -96,13 +114,16 @@ def run_profile(bench: Bench) -> dict:
     ids = prompt.token_ids(bench.target.tokenizer)
     k = bench.config.num_speculative_tokens
     sizes = sorted({1, 2, 4, k + 1})
-    costs = forward_cost(bench, ids, sizes, repeats=5 if bench.config.quick else 15)
+    costs = forward_cost(bench, ids, sizes, repeats=3 if bench.config.quick else 15)
     return {
         "prompt_id": prompt.id,
         "prompt_tokens": len(ids),
         "forward_seconds_by_tokens": {str(n): s for n, s in costs.items()},
         # cost of verifying a full draft relative to one plain decoding step
         "full_draft_cost_ratio": costs[k + 1] / costs[1],
+        "lm_head_seconds_by_tokens": {
+            str(n): s for n, s in lm_head_cost(bench, sizes, repeats=3 if bench.config.quick else 15).items()
+        },
         "sd_forward_share": time_in_forward(bench, ids),
         "operators": top_operators(bench, ids, max_tokens=min(32, bench.config.max_tokens)),
     }

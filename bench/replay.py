@@ -20,6 +20,7 @@ def run_replay(bench: Bench) -> dict:
     namespace = namespaces(bench.target, bench.drafters)["ngram"]
     rng = random.Random(config.seed)
     requests = []
+    totals = {"drafted": 0, "kept": 0, "rescued": 0}
     for epoch in range(config.replay_passes):
         order = list(prompts)
         rng.shuffle(order)
@@ -28,6 +29,10 @@ def run_replay(bench: Bench) -> dict:
             out = bench.run(CSD_COLD, engine, prompt.token_ids(bench.target.tokenizer))
             bench.progress.update()
             drafted = out.draft_tokens or 0
+            totals["drafted"] += drafted
+            totals["kept"] += (out.accepted or 0) + (out.rescued or 0)
+            totals["rescued"] += out.rescued or 0
+            patterns = store.top(namespace, 10**9)
             requests.append(
                 {
                     "request": len(requests) + 1,
@@ -40,7 +45,15 @@ def run_replay(bench: Bench) -> dict:
                     if drafted
                     else None,
                     "rescue_rate": (out.rescued or 0) / drafted if drafted else None,
-                    "patterns": len(store.top(namespace, 10**9)),
+                    # over every request so far: what a dashboard counter would show
+                    "cumulative_acceptance_rate": totals["kept"] / totals["drafted"]
+                    if totals["drafted"]
+                    else None,
+                    "cumulative_rescue_rate": totals["rescued"] / totals["drafted"]
+                    if totals["drafted"]
+                    else None,
+                    "patterns": len(patterns),
+                    "patterns_over_lambda": sum(p.count > config.lambda_ for p in patterns),
                 }
             )
     return {"prompts": len(prompts), "passes": config.replay_passes, "requests": requests}

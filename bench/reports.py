@@ -158,6 +158,15 @@ def limits(report: dict) -> list[str]:
         + f". Verifying a full draft costs {profile['full_draft_cost_ratio']:.2f}x a one-token step, so a round "
         "must keep that many tokens just to break even.",
     ]
+    head = profile.get("lm_head_seconds_by_tokens")
+    if head:
+        last = max(head, key=int)
+        lines.append(
+            "The vocabulary projection alone (one matmul) takes "
+            + ", ".join(f"{n} -> {s * 1000:.1f} ms" for n, s in head.items())
+            + f": {head[last] / head['1']:.2f}x for {last} rows over one. Where that ratio is well above 1, the "
+            "matmul kernel for several rows, not the arithmetic, makes verification expensive."
+        )
     share = profile["sd_forward_share"]
     if share.get("forward_share") is not None:
         lines.append(
@@ -247,7 +256,7 @@ def goals_table(goals: list[dict]) -> str:
 COLUMN_HELP = """\
 Columns: **tok/s** generated tokens over wall time of the whole call (prefill included), summed over the
 workload's prompts; **speedup** tok/s over vanilla's on the same prompts; **tok/fwd** mean tokens emitted per
-target forward (accepted + rescued + the recovered/bonus token; 1.00 for vanilla); **accept** (accepted +
+target forward (accepted + rescued + the recovered/bonus token; about 1.00 for vanilla); **accept** (accepted +
 rescued) / drafted; **rescue** rescued / drafted; **fwd/tok** target forwards per generated token; **OCM** time in
 the correction memory over decoding time; **task** QA accuracy (answer string in the output), HumanEval
 pass@1 (its own harness) or math accuracy (last number), with a 95% Wilson interval; **exact** share of prompts

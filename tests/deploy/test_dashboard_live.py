@@ -253,7 +253,8 @@ def test_rates_are_shown_per_method(live):
     methods = {series["metric"].get("method") for series in result}
     assert {"csd", "sd"} <= methods, f"acceptance rate per method: {result}"
     for series in result:
-        assert 0.0 <= float(series["value"][1]) <= 1.0
+        # a ratio of two rates: PromQL's float arithmetic may land a hair above 1 when every draft was kept
+        assert 0.0 <= float(series["value"][1]) <= 1.0 + 1e-9, series
 
 
 def test_rejections_show_in_the_429_share(live):
