@@ -58,7 +58,7 @@ def _add_speculation_options(p: argparse.ArgumentParser) -> None:
 _SETTING_FLAGS = (
     "model", "draft_model", "dtype", "device", "cache_dir", "redis_url", "ocm_path", "method", "drafter",
     "num_speculative_tokens", "tau", "lambda_", "ngram_min", "ngram_max", "host", "port", "api_keys",
-    "served_model_name", "torch_threads", "max_queue", "max_tokens_cap", "default_max_tokens",
+    "served_model_name", "torch_threads", "max_queue", "max_batch_size", "max_batched_tokens", "max_tokens_cap", "default_max_tokens",
     "default_temperature", "request_timeout_s", "max_body_bytes", "shutdown_grace_s",
 )  # fmt: skip
 
@@ -470,7 +470,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted Bearer key (repeatable; prefer CSD_API_KEYS=k1,k2: flags show up in ps)",
     )
     g.add_argument("--served-model-name", help="model id shown by the API (default: the model's name)")
-    g.add_argument("--max-queue", type=int, help="requests waiting beyond the running one; more get 429")
+    g.add_argument("--max-queue", type=int, help="requests waiting beyond the running batch; more get 429")
+    g.add_argument("--max-batch-size", type=int, help="generations sharing each target forward")
+    g.add_argument(
+        "--max-batched-tokens", type=int, help="tokens in one target forward (also the prefill chunk)"
+    )
     g.add_argument("--max-tokens-cap", type=int, help="largest max_tokens a request may ask for")
     g.add_argument("--default-max-tokens", type=int, help="max_tokens of requests that send none")
     g.add_argument("--default-temperature", type=float, help="temperature of requests that send none (0)")

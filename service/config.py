@@ -61,7 +61,11 @@ class Settings(BaseSettings):
     default_temperature: float = Field(
         0.0, ge=0, le=2, description="for requests that send none; 0 (greedy) is the CSD paper's setting"
     )
-    max_queue: int = Field(32, ge=0, description="requests waiting beyond the running one; more get 429")
+    max_queue: int = Field(32, ge=0, description="requests waiting beyond the running batch; more get 429")
+    max_batch_size: int = Field(16, ge=1, le=1024, description="generations that share each target forward")
+    max_batched_tokens: int = Field(
+        256, ge=1, description="tokens in one target forward: caps a round's drafts and each prefill chunk"
+    )
     request_timeout_s: float = Field(300.0, gt=0)
     max_body_bytes: int = Field(1_000_000, ge=1024)
     shutdown_grace_s: float = Field(30.0, ge=0)
@@ -90,6 +94,8 @@ class Settings(BaseSettings):
             raise ValueError("ngram_min must not exceed ngram_max")
         if self.drafter == "model" and not self.draft_model:
             raise ValueError("drafter 'model' needs draft_model (CSD_DRAFT_MODEL or --draft-model)")
+        if self.max_batched_tokens < self.max_batch_size:
+            raise ValueError("max_batched_tokens must be at least max_batch_size (a token per generation)")
         if self.default_max_tokens > self.max_tokens_cap:
             self.default_max_tokens = self.max_tokens_cap
         return self

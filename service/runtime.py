@@ -75,11 +75,17 @@ class Runtime:
         memories = {name: store.memory(ns) for name, ns in namespaces.items()}
         policy = None
         if settings.adaptive_speculation and settings.num_speculative_tokens > 0:
-            costs = measure_forward_costs(target.model, settings.num_speculative_tokens + 1)
+            # Costs up to the widest batched round (every row verifying a full draft), one by one up to a
+            # single full draft and at doubling sizes beyond.
+            k = settings.num_speculative_tokens
+            widest = min(settings.max_batch_size * (k + 1), settings.max_batched_tokens)
+            costs = measure_forward_costs(target.model, max(widest, k + 1), dense=k + 1)
             log.info(
-                "target forward costs (ms) for 1..%d tokens: %s",
+                "target forward costs (ms) for 1..%d tokens: %s; %d tokens: %.1f",
+                k + 1,
+                [round(c * 1e3, 1) for c in costs[: k + 1]],
                 len(costs),
-                [round(c * 1e3, 1) for c in costs],
+                costs[-1] * 1e3,
             )
             policy = DraftPolicy(costs)
         engine = Engine(target, drafters, memories, policy)

@@ -90,7 +90,14 @@ class ServiceState:
         settings = self.settings
         default_drafter = settings.drafter if settings.speculative_config().speculates else "none"
         self.metrics.touch(settings.method.value, default_drafter, settings.num_speculative_tokens)
-        self.worker = EngineWorker(runtime.engine, self.metrics, settings.max_queue, self._forward_ok)
+        self.worker = EngineWorker(
+            runtime.engine,
+            self.metrics,
+            settings.max_queue,
+            self._forward_ok,
+            max_batch_size=settings.max_batch_size,
+            max_batched_tokens=settings.max_batched_tokens,
+        )
         self.worker.start()
         log.info("model %s loaded; probing", runtime.model_id)
         self._probe_task = asyncio.get_running_loop().create_task(self._probe())

@@ -1,11 +1,12 @@
 """The engine worker: the one thread that runs model work, and the bounded queue in front of it.
 
-The engine runs one generation round at a time on the CPU, so requests take turns: one generation runs,
-up to `max_queue` wait, and the rest are refused at once (429 with Retry-After) instead of piling up.
+The worker drives a continuous batch (`service.decoding.batch.Batch`): up to `max_batch_size` generations
+share every target forward; new requests join between rounds and finished ones leave. Beyond the batch, up
+to `max_queue` requests wait, and the rest are refused at once (429 with Retry-After) instead of piling up.
 Nothing here runs torch on the event loop; the worker hands events back through `loop.call_soon_threadsafe`.
 
-A job is checked for cancellation (client gone, timeout, shutdown) between rounds, so a cancelled request
-stops within one decoding round.
+Jobs are checked for cancellation (client gone, timeout, shutdown) between rounds: a cancelled request
+leaves the batch within one round, and the others carry on untouched.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from service.api.errors import CLIENT_CLOSED_REQUEST, SERVER, UNAVAILABLE, APIError
 from service.api.metrics import ServiceMetrics
 from service.decoding import DecodingError, Engine, GenerationStats, SamplingParams, SpeculativeConfig
+from service.decoding.batch import Batch
+from service.decoding.engine import Generation
 from service.decoding.types import EmittedToken, GenerationStep
 
 log = logging.getLogger(__name__)
@@ -123,6 +126,16 @@ class Job:
             ) from None
 
 
+@dataclass
+class _Active:
+    """A job whose generation is in the batch."""
+
+    job: Job
+    generation: Generation
+    started: float
+    last_round_end: float | None = None
+
+
 class EngineWorker:
     """Owns the engine thread. `submit` and `cancel` are called from the event loop."""
 
@@ -132,14 +145,18 @@ class EngineWorker:
         metrics: ServiceMetrics,
         max_queue: int,
         on_forward_ok: Callable[[], None] = lambda: None,
+        max_batch_size: int = 1,
+        max_batched_tokens: int = 256,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
+        self.max_batch_size = max_batch_size
         self.on_forward_ok = on_forward_ok
+        self._batch = Batch(engine.target, engine.policy, max_batch_size, max_batched_tokens)
         self._lock = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._running: Job | None = None
+        self._active: list[_Active] = []  # touched by the worker thread only (read elsewhere for counts)
         self._stopping = False
         self._mean_job_seconds = 2.0  # moving average of job durations, for Retry-After
         self._thread = threading.Thread(target=self._run, name="csd-engine", daemon=True)
@@ -151,7 +168,7 @@ class EngineWorker:
 
     @property
     def running(self) -> int:
-        return 1 if self._running is not None else 0
+        return len(self._active)
 
     @property
     def waiting(self) -> int:
@@ -163,7 +180,7 @@ class EngineWorker:
             if self._stopping:
                 raise APIError(503, "the server is shutting down", type=UNAVAILABLE, code="shutting_down")
             in_system = len(self._waiting) + self.running
-            if not priority and in_system > self.max_queue:
+            if not priority and in_system >= self.max_batch_size + self.max_queue:
                 raise QueueFull(self._retry_after(in_system))
             if priority:
                 self._waiting.appendleft(job)
@@ -173,7 +190,7 @@ class EngineWorker:
             self._lock.notify()
 
     def cancel(self, job: Job, reason: str) -> None:
-        """Stop a job: dropped from the queue now, or stopped by the worker after the current round."""
+        """Stop a job: dropped from the queue now, or taken out of the batch before the next round."""
         with self._lock:
             if job.cancelled:
                 return
@@ -184,8 +201,9 @@ class EngineWorker:
             self.metrics.requests_waiting.set(len(self._waiting))
 
     def _retry_after(self, in_system: int) -> int:
-        # Roughly when a slot frees up: the queue ahead drains one job per mean job time.
-        return int(min(60, max(1, math.ceil(self._mean_job_seconds * max(1, in_system - self.max_queue)))))
+        # Roughly when a slot frees up: the batch finishes max_batch_size jobs per mean job time.
+        ahead = max(1, in_system - self.max_batch_size - self.max_queue + 1)
+        return int(min(60, max(1, math.ceil(self._mean_job_seconds * ahead / self.max_batch_size))))
 
     def stop(self, timeout: float = 5.0) -> None:
         """Refuse new work, cancel what waits and what runs, and wait for the thread."""
@@ -193,56 +211,80 @@ class EngineWorker:
             self._stopping = True
             pending = list(self._waiting)
             self._waiting.clear()
-            running = self._running
+            running = [a.job for a in self._active]
             self._lock.notify_all()
         shutting_down = APIError(503, "the server is shutting down", type=UNAVAILABLE, code="shutting_down")
         for job in pending:
             job._cancelled.set()
             job._deliver(ErrorEvent(shutting_down))
-        if running is not None:
-            running.cancel_reason = "shutdown"
-            running._cancelled.set()
+        for job in running:
+            job.cancel_reason = "shutdown"
+            job._cancelled.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     # ------------------------------------------------------------ worker thread
 
-    def _next_job(self) -> Job | None:
-        with self._lock:
-            while not self._waiting and not self._stopping:
-                self._lock.wait()
-            if self._stopping:
-                return None
-            job = self._waiting.popleft()
-            self._running = job
-            self.metrics.requests_waiting.set(len(self._waiting))
-            self.metrics.requests_running.set(1)
-            return job
-
     def _run(self) -> None:
         while True:
-            job = self._next_job()
-            if job is None:
+            if not self._admit():
                 return
-            started = time.monotonic()
+            self._drop_stopped()
+            if not self._active:
+                continue
             try:
-                self._generate(job)
+                results = self._batch.step()
             except Exception:  # the thread must survive anything: it is the only one that generates
-                log.exception("engine worker failed on a job")
-                job._deliver(ErrorEvent(_engine_failure()))
-            finally:
-                with self._lock:
-                    self._running = None
-                    self.metrics.requests_running.set(0)
-                elapsed = time.monotonic() - started
-                self._mean_job_seconds = 0.8 * self._mean_job_seconds + 0.2 * elapsed
+                log.exception("engine failed during a batched round; failing the batch's requests")
+                for active in self._active:
+                    active.job._deliver(ErrorEvent(_engine_failure()))
+                self._active = []
+                self._batch.clear()
+                self._set_running()
+                continue
+            self.on_forward_ok()
+            now = time.monotonic()
+            by_generation = {id(a.generation): a for a in self._active}
+            finished: list[_Active] = []
+            for generation, step in results:
+                active = by_generation[id(generation)]
+                try:
+                    self._deliver_step(active, step, now)
+                except Exception:
+                    log.exception("failed to deliver a generation step")
+                    active.job._deliver(ErrorEvent(_engine_failure()))
+                    self._batch.remove(generation)
+                    finished.append(active)
+                    continue
+                if step.finish_reason is not None:
+                    self._finish(active, now)
+                    finished.append(active)
+            if finished:
+                self._active = [a for a in self._active if a not in finished]
+                self._set_running()
 
-    def _generate(self, job: Job) -> None:
+    def _admit(self) -> bool:
+        """Move waiting jobs into the batch while it has room; block while there is nothing to do.
+        False when the worker must stop."""
+        with self._lock:
+            while not self._waiting and not self._active and not self._stopping:
+                self._lock.wait()
+            if self._stopping and not self._active:
+                return False
+            taken: list[Job] = []
+            while self._waiting and self._batch.has_room and len(taken) + len(self._active) < self.max_batch_size:
+                taken.append(self._waiting.popleft())
+            self.metrics.requests_waiting.set(len(self._waiting))
+        for job in taken:
+            self._start(job)
+        self._set_running()
+        return True
+
+    def _start(self, job: Job) -> None:
         plan = job.plan
-        method, drafter = plan.method, plan.drafter_label
-        m = self.metrics if not plan.internal else None
         try:
             generation = self.engine.generate(plan.prompt_ids, plan.sampling, plan.spec, drafter=plan.drafter)
+            self._batch.add(generation)
         except DecodingError as exc:
             job._deliver(ErrorEvent(APIError(400, str(exc), code="invalid_value")))
             return
@@ -250,60 +292,64 @@ class EngineWorker:
             log.exception("engine failed to start a generation")
             job._deliver(ErrorEvent(_engine_failure()))
             return
-        if m is not None:
-            m.prompt_tokens.labels(method, drafter).inc(len(plan.prompt_ids))
-        tokenizer = self.engine.target.tokenizer
-        steps = iter(generation)
-        last_round_end: float | None = None
-        try:
-            while True:
-                if job.cancelled or time.monotonic() > job.deadline:
-                    # Whoever cancelled has answered the client already; the event only wakes a waiter.
-                    log.debug("job stopped between rounds: %s", job.cancel_reason or "timeout")
-                    job._deliver(ErrorEvent(_stopped(job.cancel_reason or "timeout")))
-                    return
-                try:
-                    step: GenerationStep = next(steps)
-                except StopIteration:
-                    break
-                now = time.monotonic()
-                self.on_forward_ok()
-                if m is not None:
-                    self._record_step(m, method, drafter, step, now - job.arrived, last_round_end, now)
-                last_round_end = now
-                token_texts = None
-                if plan.return_provenance:
-                    token_texts = [
-                        (
-                            tokenizer.decode([t.token_id]),
-                            None if t.replaced_token_id is None else tokenizer.decode([t.replaced_token_id]),
-                        )
-                        for t in step.tokens
-                    ]
-                job._deliver(
-                    StepEvent(
-                        step.text,
-                        len(step.tokens),
-                        step.finish_reason,
-                        list(step.tokens),
-                        token_texts,
-                        step.round.num_draft_tokens,
-                    )
+        if not plan.internal:
+            self.metrics.prompt_tokens.labels(plan.method, plan.drafter_label).inc(len(plan.prompt_ids))
+        self._active.append(_Active(job, generation, time.monotonic()))
+
+    def _drop_stopped(self) -> None:
+        """Cancelled or timed-out jobs leave the batch before the next round."""
+        now = time.monotonic()
+        kept: list[_Active] = []
+        for active in self._active:
+            job = active.job
+            if job.cancelled or now > job.deadline:
+                # Whoever cancelled has answered the client already; the event only wakes a waiter.
+                log.debug("job stopped between rounds: %s", job.cancel_reason or "timeout")
+                self._batch.remove(active.generation)
+                job._deliver(ErrorEvent(_stopped(job.cancel_reason or "timeout")))
+            else:
+                kept.append(active)
+        if len(kept) != len(self._active):
+            self._active = kept
+            self._set_running()
+
+    def _set_running(self) -> None:
+        self.metrics.requests_running.set(len(self._active))
+
+    def _deliver_step(self, active: _Active, step: GenerationStep, now: float) -> None:
+        job, plan = active.job, active.job.plan
+        if not plan.internal:
+            self._record_step(
+                self.metrics, plan.method, plan.drafter_label, step, now - job.arrived, active.last_round_end, now
+            )
+        active.last_round_end = now
+        token_texts = None
+        if plan.return_provenance:
+            tokenizer = self.engine.target.tokenizer
+            token_texts = [
+                (
+                    tokenizer.decode([t.token_id]),
+                    None if t.replaced_token_id is None else tokenizer.decode([t.replaced_token_id]),
                 )
-                if step.finish_reason is not None:
-                    break
-        except DecodingError as exc:
-            job._deliver(ErrorEvent(APIError(400, str(exc), code="invalid_value")))
-            return
-        except Exception:
-            log.exception("engine failed during a generation")
-            job._deliver(ErrorEvent(_engine_failure()))
-            return
-        finally:
-            steps.close()  # type: ignore[attr-defined]
-        if m is not None:
-            m.e2e.labels(method, drafter).observe(time.monotonic() - job.arrived)
+                for t in step.tokens
+            ]
+        job._deliver(
+            StepEvent(
+                step.text,
+                len(step.tokens),
+                step.finish_reason,
+                list(step.tokens),
+                token_texts,
+                step.round.num_draft_tokens,
+            )
+        )
+
+    def _finish(self, active: _Active, now: float) -> None:
+        job, plan, generation = active.job, active.job.plan, active.generation
+        if not plan.internal:
+            self.metrics.e2e.labels(plan.method, plan.drafter_label).observe(now - job.arrived)
         job._deliver(DoneEvent(generation.finish_reason or "stop", generation.text, generation.stats))
+        self._mean_job_seconds = 0.8 * self._mean_job_seconds + 0.2 * (now - active.started)
 
     @staticmethod
     def _record_step(

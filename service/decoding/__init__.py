@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 # Exports resolve lazily (PEP 562): `service.decoding.types` and `.paths` are imported by the settings and
 # the CLI, which must not pay torch's import time for `csd ocm stats`.
 _EXPORTS = {
+    "Batch": "batch",
     "DraftPolicy": "draft_policy",
     "Drafter": "drafters",
     "ModelDrafter": "drafters",
@@ -41,6 +42,7 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:
+    from service.decoding.batch import Batch
     from service.decoding.draft_policy import DraftPolicy
     from service.decoding.drafters import Drafter, ModelDrafter, NgramDrafter
     from service.decoding.engine import Engine, Generation
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     from service.decoding.verification import DivergenceMemory
 
 __all__ = [
+    "Batch",
     "DecodingError",
     "DivergenceMemory",
     "DraftPolicy",

@@ -76,26 +76,48 @@ class DraftPolicy:
     def _cost(self, n: int) -> float:
         if not self.forward_costs:
             return 1.0
-        return self.forward_costs[min(n, len(self.forward_costs)) - 1]
+        if n <= len(self.forward_costs):
+            return self.forward_costs[n - 1]
+        # Past the measured sizes a forward's cost grows about linearly in its tokens.
+        return self.forward_costs[-1] * n / len(self.forward_costs)
 
     def choose(self, drafter: str, key: int, draft_len: int) -> int:
-        """The draft prefix length to verify (0: a plain step)."""
-        if draft_len == 0 or not self.forward_costs:
-            return draft_len
+        """The draft prefix length to verify for a sequence decoded alone (0: a plain step)."""
+        return self.choose_batch([(drafter, key, draft_len)], rows=1)
+
+    def choose_batch(self, drafts: Sequence[tuple[str, int, int]], rows: int, max_len: int | None = None) -> int:
+        """One draft cap K for a batch round: every speculating row verifies min(K, its draft) tokens.
+
+        `drafts` holds (drafter, key, available draft length) per speculating row; `rows` counts every row
+        of the batch, speculating or not. The batch's forward is padded to 1 + K tokens per row, so it costs
+        c(rows * (1 + K)) while row r adds 1 + sum_{i<=min(K, len_r)} P_r(first i kept) tokens: K maximises
+        their ratio, and K = 0 (no speculation at all) wins whenever drafts do not pay for the wider forward,
+        which at large batch sizes or low acceptance is the usual case.
+        """
+        longest = max((length for _, _, length in drafts), default=0)
+        if max_len is not None:
+            longest = min(longest, max_len)
+        if longest <= 0 or not self.forward_costs:
+            return max(longest, 0)
         with self._lock:
-            survival = self._survival.get((drafter, key)) or _Survival()
-            best_len, best_rate = 0, 1.0 / self._cost(1)
-            expected, p_prefix = 1.0, 1.0
-            for i in range(draft_len):
-                p_prefix *= survival.rate(i)
-                expected += p_prefix
-                rate = expected / self._cost(i + 2)
+            # gain[K] = expected extra tokens the batch emits with cap K
+            gain = [0.0] * (longest + 1)
+            for drafter, key, length in drafts:
+                survival = self._survival.get((drafter, key)) or _Survival()
+                p_prefix = 1.0
+                for i in range(min(length, longest)):
+                    p_prefix *= survival.rate(i)
+                    gain[i + 1] += p_prefix
+            best_len, best_rate, expected = 0, rows / self._cost(rows), float(rows)
+            for cap in range(1, longest + 1):
+                expected += gain[cap]
+                rate = expected / self._cost(rows * (1 + cap))
                 if rate > best_rate:
-                    best_len, best_rate = i + 1, rate
+                    best_len, best_rate = cap, rate
             if best_len == 0:
                 self._skipped += 1
                 if self._skipped % self.explore_every == 0:
-                    return draft_len
+                    return longest
             return best_len
 
     def observe(self, drafter: str, key: int, drafted: int, kept: int) -> None:
@@ -106,21 +128,28 @@ class DraftPolicy:
 
 
 def measure_forward_costs(
-    model: torch.nn.Module, max_tokens: int, context: int = 64, repeats: int = 2
+    model: torch.nn.Module, max_tokens: int, context: int = 64, repeats: int = 2, dense: int | None = None
 ) -> list[float]:
     """Seconds of a target forward over n = 1..max_tokens new tokens after `context` cached ones (min of
-    `repeats`). Takes a few seconds on a CPU; run once at start."""
+    `repeats`). Sizes up to `dense` (default: all) are measured one by one, larger ones at doubling sizes and
+    interpolated: a batch of B rows verifying 1 + k tokens each is costed as one forward over B * (1 + k)
+    tokens (the projections dominate; attention over short contexts is a small share). A few seconds on a CPU;
+    run once at start."""
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
+    dense = max_tokens if dense is None else min(dense, max_tokens)
+    sizes = list(range(1, dense + 1))
+    while sizes[-1] < max_tokens:
+        sizes.append(min(sizes[-1] * 2, max_tokens))
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
-    costs: list[float] = []
+    measured: list[float] = []
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         model(input_ids=prefix, cache=cache, logits_to_keep=1)
         model(input_ids=prefix[:, :1], cache=cache)  # warm-up of the single-token path
         crop_cache(cache, context)
-        for n in range(1, max_tokens + 1):
+        for n in sizes:
             ids = torch.randint(0, vocab, (1, n), generator=generator).to(device)
             best = float("inf")
             for _ in range(repeats):
@@ -132,8 +161,16 @@ def measure_forward_costs(
                     torch.cuda.synchronize(device)
                 best = min(best, time.perf_counter() - started)
                 crop_cache(cache, context)
-            costs.append(best)
+            measured.append(best)
     # A forward over more tokens never costs less: smooth out measurement noise.
-    for i in range(1, len(costs)):
-        costs[i] = max(costs[i], costs[i - 1])
+    for i in range(1, len(measured)):
+        measured[i] = max(measured[i], measured[i - 1])
+    costs: list[float] = []
+    for n in range(1, max_tokens + 1):
+        j = next(i for i, size in enumerate(sizes) if size >= n)
+        if sizes[j] == n:
+            costs.append(measured[j])
+        else:  # between sizes[j - 1] and sizes[j]
+            lo, hi = sizes[j - 1], sizes[j]
+            costs.append(measured[j - 1] + (measured[j] - measured[j - 1]) * (n - lo) / (hi - lo))
     return costs

@@ -1,28 +1,30 @@
-"""The decoding loop: one target forward per round, verifying whatever the drafter proposed.
+"""One sequence's decoding: drafting, verification and emission, around one target forward per round.
 
-Per round (k = num_speculative_tokens, clipped to the token budget and the context):
+Per round (k = num_speculative_tokens, clipped to the token budget, the context and the batch's draft cap):
 1. the drafter proposes d_1..d_k after the committed sequence;
 2. one target forward over [last committed token, d_1..d_k] extends the target KV cache -> logits [k + 1, V];
 3. the method's verification rule keeps a prefix of the draft (accepted / rescued) and adds one target token
    (recovered, or bonus if all k were kept);
-4. the target cache is cropped back to the kept tokens; the drafter catches up on its own next round.
+4. the cache drops the rejected draft tokens; the drafter catches up on its own next round.
 
 Invariant between rounds: the target cache holds every committed token except the last, whose logits the
 next round's forward computes together with the draft. Vanilla decoding is the same loop with k = 0, so the
 baseline and the speculative methods share every line that is not speculation.
+
+A `Generation` holds the per-sequence half (steps 1, 3 and stop conditions); the forward and the cache
+belong to `service.decoding.batch.Batch`, which runs the round for many sequences at once. Iterating a
+`Generation` runs it in a batch of its own, so a sequence served alone and one served among others go
+through the same code.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from service.decoding.draft_policy import DraftPolicy
 from service.decoding.drafters import Draft, Drafter, DrafterSession
-from service.decoding.kv_cache import crop_cache
 from service.decoding.models import LoadedModel
 from service.decoding.text import IncrementalDetokenizer, StopMatcher
 from service.decoding.types import (
@@ -108,59 +110,76 @@ class Generation:
         self.tokens: list[EmittedToken] = []
         self.text = ""
         self.finish_reason: str | None = None
+        # the sequence so far (prompt + kept output); the target's cache holds all of it but the last token
+        self.committed = list(self.prompt_ids)
+        self.detok = IncrementalDetokenizer(target.tokenizer, self.committed)
+        self.stops = StopMatcher(sampling.stop)
+        self.prefilled = 0  # prompt tokens already in the cache (of the len - 1 that prefill covers)
+        self._pending: Draft | None = None  # the cheap drafter's proposal, between planning and verifying
 
     def __iter__(self) -> Iterator[GenerationStep]:
-        model = self.target.model
-        device = self.target.device
-        committed = list(self.prompt_ids)
-        cache = DynamicCache(config=model.config)
-        detok = IncrementalDetokenizer(self.target.tokenizer, committed)
-        stops = StopMatcher(self.sampling.stop)
+        """Run this generation alone: a batch of one (the same code path as a batched server)."""
+        from service.decoding.batch import Batch  # batch imports this module
 
-        started = time.perf_counter()
-        if len(committed) > 1:
-            with torch.inference_mode():
-                # Prefill all but the last prompt token: the first round's forward takes that one along with
-                # the first draft. logits_to_keep=1 skips the vocabulary projection of the whole prompt.
-                model(input_ids=torch.tensor([committed[:-1]], device=device), cache=cache, logits_to_keep=1)
-        self.stats.prefill_seconds = time.perf_counter() - started
+        batch = Batch(self.target, self.policy)
+        batch.add(self)
+        try:
+            while self.finish_reason is None:
+                for generation, step in batch.step():
+                    if generation is self:
+                        yield step
+        finally:
+            batch.remove(self)
 
-        while self.finish_reason is None:
-            round_started = time.perf_counter()
-            with torch.inference_mode():
-                k = self._draft_budget(len(committed))
-                draft = (
-                    self.drafter_session.propose(committed, k) if self.drafter_session and k else Draft([])
-                )
-                draft_tokens = draft.tokens[:k]
-                # input_ids: [1, 1 + k]; logits: [k + 1, V] in float32 for exact comparisons
-                input_ids = torch.tensor([[committed[-1], *draft_tokens]], device=device)
-                logits = model(input_ids=input_ids, cache=cache).logits[0].float()
-                verdict = self._verify(draft_tokens, draft.probs, logits)
-                # The cache now holds committed + draft; keep committed + the kept draft tokens. The round's
-                # last token (recovered / bonus) is not in it: the next round's forward adds it.
-                crop_cache(cache, len(committed) + verdict.round.num_kept)
-            if draft_tokens:
-                self.policy.observe(self.drafter.name, draft.key, len(draft_tokens), verdict.round.num_kept)
-            step = self._emit(verdict, committed, detok, stops)
-            self.stats.add_round(verdict.round)
-            self.stats.decode_seconds += time.perf_counter() - round_started
-            yield step
+    # ------------------------------------------------------------------ what the batch asks of a sequence
 
-    def _propose(self, committed: list[int]) -> Draft:
-        """The draft this round verifies: within the token budget, and as long as the policy finds worth it."""
-        k = self._draft_budget(len(committed))
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What prefill must feed: every prompt token but the last, which the first round feeds with the
+        first draft."""
+        return self.prompt_ids[:-1]
+
+    def offer_draft(self) -> tuple[str, int, int] | None:
+        """Before a round: (drafter, key, available draft length) for the batch's draft-cap decision, or
+        None when this sequence does not speculate this round. A cheap drafter proposes now; a draft model
+        waits for the cap so that no draft forward is wasted."""
+        self._pending = None
+        k = self._draft_budget(len(self.committed))
         if not k or self.drafter_session is None:
-            return Draft([])
-        name = self.drafter.name
+            return None
         if self.drafter.cheap:
-            draft = self.drafter_session.propose(committed, k)
-            length = self.policy.choose(name, draft.key, min(k, len(draft.tokens)))
-        else:
-            length = self.policy.choose(name, 0, k)
-            draft = self.drafter_session.propose(committed, length) if length else Draft([])
-        probs = draft.probs[:length] if draft.probs is not None else None
-        return Draft(draft.tokens[:length], probs, draft.key)
+            self._pending = self.drafter_session.propose(self.committed, k)
+            if not self._pending.tokens:
+                return None
+            return self.drafter.name, self._pending.key, min(k, len(self._pending.tokens))
+        return self.drafter.name, 0, k
+
+    def take_draft(self, cap: int) -> Draft:
+        """The draft this round verifies: at most `cap` tokens (the batch's choice)."""
+        k = min(cap, self._draft_budget(len(self.committed)))
+        if k <= 0 or self.drafter_session is None:
+            return Draft([])
+        draft = self._pending if self.drafter.cheap else self.drafter_session.propose(self.committed, k)
+        self._pending = None
+        if draft is None:
+            return Draft([])
+        probs = draft.probs[:k] if draft.probs is not None else None
+        return Draft(draft.tokens[:k], probs, draft.key)
+
+    def round_tokens(self, draft: Draft) -> list[int]:
+        """What the round's forward feeds for this sequence: [last committed token, *draft]."""
+        return [self.committed[-1], *draft.tokens]
+
+    def absorb(self, draft: Draft, logits: torch.Tensor, seconds: float) -> tuple[GenerationStep, int]:
+        """Verify the round's logits ([1 + len(draft), V], float32) and emit. Returns the step and how many
+        of the fed tokens the cache keeps (the last committed one plus the kept draft tokens)."""
+        verdict = self._verify(draft.tokens, draft.probs, logits)
+        if draft.tokens:
+            self.policy.observe(self.drafter.name, draft.key, len(draft.tokens), verdict.round.num_kept)
+        step = self._emit(verdict, self.committed, self.detok, self.stops)
+        self.stats.add_round(verdict.round)
+        self.stats.decode_seconds += seconds
+        return step, 1 + verdict.round.num_kept
 
     def _draft_budget(self, committed_len: int) -> int:
         remaining = self.sampling.max_tokens - len(self.tokens)

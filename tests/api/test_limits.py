@@ -25,7 +25,7 @@ def busy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One generation runs, one may wait, the rest get 429; each request has TIMEOUT_S seconds."""
     server = start_server(
         tmp_path_factory.mktemp("busy-server"),
-        "--max-queue", "1", "--request-timeout", str(TIMEOUT_S), "--max-tokens-cap", "2048",
+        "--max-queue", "1", "--max-batch-size", "1", "--request-timeout", str(TIMEOUT_S), "--max-tokens-cap", "2048",
     )  # fmt: skip
     yield server
     server.stop()

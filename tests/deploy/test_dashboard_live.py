@@ -165,7 +165,8 @@ def live(tmp_path_factory):
             CSD_REDIS_URL=redis_url,
             CSD_OCM_PATH=str(tmp / "ocm.sqlite"),
             CSD_LAMBDA="0",  # rescue from the first sighting of a pattern, so that rescues happen in a short run
-            CSD_MAX_QUEUE="1",  # the burst of 6 must meet 429s
+            CSD_MAX_QUEUE="1",  # with CSD_MAX_BATCH_SIZE 2, the burst of 6 must meet 429s
+            CSD_MAX_BATCH_SIZE="2",
             CSD_OCM_FLUSH_INTERVAL_S="0.05",
         )
         service_log = tmp / "service.log"

@@ -1,0 +1,138 @@
+"""Continuous batching: the sequences being decoded share every target forward.
+
+A `Batch` owns the running sequences and one `BatchKV` holding their caches (padding + masks; the layout is
+explained there). Each `step()`:
+1. feeds at most one prefill chunk (`max_batched_tokens` prompt tokens) of the oldest joining sequence into
+   that sequence's own cache; a sequence whose prompt is in joins the running rows. One chunk per step, so
+   a long prompt delays the others' next round by one chunk forward, never by its whole prefill;
+2. runs one decoding round for every running row: each offers its draft, the draft policy picks one draft
+   cap K for the batch (0 when speculation does not pay at this batch size and acceptance), one target
+   forward verifies [last token, draft] of every row, and each row verifies, rescues (CSD) and emits on its
+   own logits as if it ran alone;
+3. drops the rows that finished.
+
+Rows join and leave between steps (continuous batching); `remove()` takes out a cancelled sequence without
+touching the others. Prefill chunks have a fixed size, so a sequence's cache and outputs do not depend on
+what else was running when it joined.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+
+from service.decoding.batch_kv import BatchKV
+from service.decoding.draft_policy import DraftPolicy
+from service.decoding.drafters import Draft
+from service.decoding.engine import Generation
+from service.decoding.models import LoadedModel
+from service.decoding.types import DecodingError, GenerationStep
+
+DEFAULT_MAX_BATCHED_TOKENS = 256
+
+
+class Batch:
+    def __init__(
+        self,
+        target: LoadedModel,
+        policy: DraftPolicy | None = None,
+        max_batch_size: int = 1,
+        max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
+    ) -> None:
+        if max_batch_size < 1:
+            raise DecodingError("max_batch_size must be at least 1")
+        if max_batched_tokens < max_batch_size:
+            raise DecodingError("max_batched_tokens must be at least max_batch_size (one token per row)")
+        self.target = target
+        self.policy = policy or DraftPolicy()
+        self.max_batch_size = max_batch_size
+        self.max_batched_tokens = max_batched_tokens
+        self.kv = BatchKV(target.model, target.device)
+        self.running: list[Generation] = []  # row b of self.kv is running[b]
+        self.joining: collections.deque[tuple[Generation, BatchKV]] = collections.deque()
+
+    # ------------------------------------------------------------------ membership
+
+    def __len__(self) -> int:
+        return len(self.running) + len(self.joining)
+
+    @property
+    def has_room(self) -> bool:
+        return len(self) < self.max_batch_size
+
+    def add(self, generation: Generation) -> None:
+        if not self.has_room:
+            raise DecodingError(f"the batch is full ({self.max_batch_size} sequences)")
+        if generation.target is not self.target:
+            raise DecodingError("a batch runs sequences of one target model")
+        self.joining.append((generation, BatchKV(self.target.model, self.target.device, rows=1)))
+
+    def remove(self, generation: Generation) -> None:
+        """Take a sequence out (cancelled or finished); the others carry on untouched."""
+        for i, (joining, _) in enumerate(self.joining):
+            if joining is generation:
+                del self.joining[i]
+                return
+        for row, running in enumerate(self.running):
+            if running is generation:
+                del self.running[row]
+                self.kv.remove([row])
+                return
+
+    def clear(self) -> None:
+        """Drop every sequence (after a failed forward the caches cannot be trusted)."""
+        self.running.clear()
+        self.joining.clear()
+        self.kv = BatchKV(self.target.model, self.target.device)
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[tuple[Generation, GenerationStep]]:
+        """One prefill chunk (if a sequence is joining) and one decoding round (if any is running)."""
+        with torch.inference_mode():
+            self._prefill_chunk()
+            if not self.running:
+                return []
+            return self._round()
+
+    def _prefill_chunk(self) -> None:
+        if not self.joining:
+            return
+        generation, own = self.joining[0]
+        chunk = generation.prefill_ids[generation.prefilled : generation.prefilled + self.max_batched_tokens]
+        if chunk:
+            started = time.perf_counter()
+            # logits_to_keep=1 skips the vocabulary projection of the prompt: only its cache is wanted
+            own.forward([chunk], logits_to_keep=1)
+            generation.prefilled += len(chunk)
+            generation.stats.prefill_seconds += time.perf_counter() - started
+        if generation.prefilled >= len(generation.prefill_ids):
+            self.joining.popleft()
+            self.kv.add(own)
+            self.running.append(generation)
+
+    def _round(self) -> list[tuple[Generation, GenerationStep]]:
+        started = time.perf_counter()
+        rows = len(self.running)
+        offers = [g.offer_draft() for g in self.running]
+        cap = self.policy.choose_batch(
+            [o for o in offers if o is not None], rows=rows, max_len=self.max_batched_tokens // rows - 1
+        )
+        drafts = [g.take_draft(cap) if o is not None else Draft([]) for g, o in zip(self.running, offers)]
+        feeds = [g.round_tokens(d) for g, d in zip(self.running, drafts, strict=True)]
+        logits = self.kv.forward(feeds)
+        seconds = time.perf_counter() - started
+        results: list[tuple[Generation, GenerationStep]] = []
+        for row, (generation, draft, fed) in enumerate(zip(self.running, drafts, feeds, strict=True)):
+            step, kept = generation.absorb(draft, logits[row, : len(fed)].float(), seconds)
+            # the cache now holds the row's committed tokens but the last, plus everything fed this round
+            self.kv.keep(row, self.kv.length(row) - len(fed) + kept)
+            results.append((generation, step))
+        self.kv.settle()
+        finished = [row for row, g in enumerate(self.running) if g.finish_reason is not None]
+        if finished:
+            self.running = [g for row, g in enumerate(self.running) if row not in set(finished)]
+            self.kv.remove(finished)
+        return results

@@ -1,0 +1,202 @@
+"""A KV cache shared by the sequences of a running batch: padding plus masks over one transformers cache.
+
+Layout (the choice issue 6 asks us to explain): one `DynamicCache` whose tensors are [B, heads, L, dim], a
+boolean mask [B, L] of which slots hold a live token of row b, and per row the ordered list of its slots.
+- A row's token at slot s has RoPE position = its index among the row's live slots, passed as
+  `position_ids`, so left padding, holes and other rows' lengths never shift a sequence's positions.
+- transformers builds the causal mask from slot order (query slot >= key slot) and ANDs our 2D mask into
+  it, so a row attends to exactly its own live tokens, in order.
+- A round appends T = max planned tokens to every row (shorter plans are right-padded with masked
+  dummies). After verification each row marks the tokens it did not keep as dead: holes. The common dead
+  tail is cropped at once; when holes make up most of the cache the batch is compacted (one gather).
+
+Why not a packed layout: transformers' attention kernels take [B, heads, L, dim] caches, and packing would
+need a paged cache and custom kernels; padding costs some wasted FLOPs on short drafts, which the
+scheduler keeps small by choosing one draft cap for the batch. When the batch is one row and every slot is
+live (a request served alone) no mask is passed at all: the single-request path is the plain one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from service.decoding.kv_cache import crop_cache
+from service.decoding.types import DecodingError
+
+# Compact when dead slots exceed this share of the cache (and at least _COMPACT_MIN_SLOTS of them).
+_COMPACT_DEAD_SHARE = 0.5
+_COMPACT_MIN_SLOTS = 64
+
+
+class BatchKV:
+    def __init__(self, model: torch.nn.Module, device: torch.device, rows: int = 0) -> None:
+        self.model = model
+        self.device = device
+        self._reset(rows)
+
+    def _reset(self, rows: int) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.slots: list[list[int]] = [[] for _ in range(rows)]  # per row: its live slots, in sequence order
+        self.mask = torch.zeros((rows, 0), dtype=torch.bool, device=self.device)
+
+    # ------------------------------------------------------------------ shape
+
+    @property
+    def rows(self) -> int:
+        return len(self.slots)
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def length(self, row: int) -> int:
+        """Tokens row `row` holds: the RoPE position of its next token."""
+        return len(self.slots[row])
+
+    def _layers(self) -> list:
+        layers = getattr(self.cache, "layers", None)
+        if layers is None or any(getattr(layer, "is_sliding", False) for layer in layers):
+            raise DecodingError("batched decoding needs a model whose cache layers are all full attention")
+        return layers
+
+    # ------------------------------------------------------------------ the forward
+
+    def forward(self, token_rows: Sequence[Sequence[int]], logits_to_keep: int = 0) -> torch.Tensor:
+        """Feed each row its tokens (ragged; every row at least one) in one forward; returns logits
+        [B, T, V] (T = the longest row, or `logits_to_keep` last positions). Every fed token becomes live;
+        `keep()` kills the ones the verification rejected."""
+        if len(token_rows) != self.rows:
+            raise ValueError(f"{len(token_rows)} token rows for a batch of {self.rows}")
+        t = max(len(r) for r in token_rows)
+        dense = all(len(r) == t for r in token_rows) and bool(self.mask.all())
+        same_length = len({len(s) for s in self.slots}) <= 1
+        ids = torch.zeros((self.rows, t), dtype=torch.long)
+        new = torch.zeros((self.rows, t), dtype=torch.bool)
+        for b, tokens in enumerate(token_rows):
+            ids[b, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.long)
+            new[b, : len(tokens)] = True
+        kwargs: dict = {}
+        if not (dense and same_length):
+            start = torch.tensor([len(s) for s in self.slots], dtype=torch.long)
+            kwargs["position_ids"] = (start[:, None] + torch.arange(t)[None, :]).to(self.device)
+            kwargs["attention_mask"] = torch.cat([self.mask, new.to(self.device)], dim=1)
+        if logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        base = self.width
+        logits = self.model(input_ids=ids.to(self.device), cache=self.cache, **kwargs).logits
+        self.mask = torch.cat([self.mask, new.to(self.device)], dim=1)
+        for b, tokens in enumerate(token_rows):
+            self.slots[b].extend(range(base, base + len(tokens)))
+        return logits
+
+    def keep(self, row: int, length: int) -> None:
+        """Row `row` keeps its first `length` tokens; later ones become dead slots."""
+        slots = self.slots[row]
+        if length < len(slots):
+            dead = torch.tensor(slots[length:], dtype=torch.long, device=self.device)
+            self.mask[row, dead] = False
+            del slots[length:]
+
+    def settle(self) -> None:
+        """Drop the dead tail every row shares, and compact when holes dominate. Call after `keep()`s."""
+        live_end = max((s[-1] + 1 for s in self.slots if s), default=0)
+        if live_end < self.width:
+            crop_cache(self.cache, live_end)
+            self.mask = self.mask[:, :live_end]
+        dead = self.rows * self.width - int(self.mask.sum())
+        if dead >= _COMPACT_MIN_SLOTS and dead > _COMPACT_DEAD_SHARE * self.rows * self.width:
+            self._compact()
+
+    # ------------------------------------------------------------------ rows joining and leaving
+
+    def add(self, other: BatchKV) -> None:
+        """Append the rows of `other` (e.g. a prefilled request); `other` must not be used afterwards."""
+        if other.rows == 0:
+            return
+        if self.rows == 0:
+            self.cache, self.slots, self.mask = other.cache, other.slots, other.mask
+            return
+        width = max(self.width, other.width)
+        self._pad_left(width - self.width)
+        other._pad_left(width - other.width)
+        if width:
+            for mine, theirs in zip(self._layers(), other._layers(), strict=True):
+                mine.keys = torch.cat([mine.keys, theirs.keys], dim=0)
+                mine.values = torch.cat([mine.values, theirs.values], dim=0)
+        self.mask = torch.cat([self.mask, other.mask], dim=0)
+        self.slots.extend(other.slots)
+
+    def remove(self, rows: Sequence[int]) -> None:
+        """Drop rows (finished or cancelled sequences)."""
+        gone = set(rows)
+        keep = [b for b in range(self.rows) if b not in gone]
+        if not keep:
+            self._reset(0)
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        if self.width:
+            self.cache.batch_select_indices(index)
+        self.mask = self.mask[index]
+        self.slots = [self.slots[b] for b in keep]
+        # Columns no remaining row uses, at the left (a long sequence left) or the right.
+        first = min((s[0] for s in self.slots if s), default=self.width)
+        if first > 0:
+            self._drop_left(first)
+        self.settle()
+
+    # ------------------------------------------------------------------ layout maintenance
+
+    def _pad_left(self, n: int) -> None:
+        if n <= 0:
+            return
+        if self.width:
+            for layer in self._layers():
+                pad = layer.keys.new_zeros((*layer.keys.shape[:2], n, layer.keys.shape[3]))
+                layer.keys = torch.cat([pad, layer.keys], dim=2)
+                layer.values = torch.cat([pad.clone(), layer.values], dim=2)
+        else:
+            # No tensors yet (prompts of one token): the first forward creates them at full width. Give the
+            # layers the padding now so slots and tensors agree.
+            self._materialise(n)
+            n = 0
+        self.mask = torch.cat([torch.zeros((self.rows, n), dtype=torch.bool, device=self.device), self.mask], 1)
+        self.slots = [[s + n for s in slots] for slots in self.slots]
+
+    def _materialise(self, width: int) -> None:
+        """Give an empty cache all-dead tensors of `width` slots (a row that has no cached token yet)."""
+        config = self.model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = next(self.model.parameters()).dtype
+        zeros = torch.zeros((self.rows, heads, width, head_dim), dtype=dtype, device=self.device)
+        for i in range(config.num_hidden_layers):
+            # update() on an empty layer initialises it with these tensors
+            self.cache.update(zeros, zeros.clone(), i)
+        self.mask = torch.zeros((self.rows, width), dtype=torch.bool, device=self.device)
+
+    def _drop_left(self, n: int) -> None:
+        for layer in self._layers():
+            layer.keys = layer.keys[:, :, n:]
+            layer.values = layer.values[:, :, n:]
+        self.mask = self.mask[:, n:]
+        self.slots = [[s - n for s in slots] for slots in self.slots]
+
+    def _compact(self) -> None:
+        """Gather each row's live slots to the right end (left padding): one copy of the cache."""
+        width = max(len(s) for s in self.slots)
+        index = torch.zeros((self.rows, width), dtype=torch.long)
+        mask = torch.zeros((self.rows, width), dtype=torch.bool)
+        for b, slots in enumerate(self.slots):
+            if slots:
+                index[b, width - len(slots) :] = torch.tensor(slots, dtype=torch.long)
+                mask[b, width - len(slots) :] = True
+        index = index.to(self.device)
+        for layer in self._layers():
+            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, gather)
+            layer.values = layer.values.gather(2, gather)
+        self.mask = mask.to(self.device)
+        self.slots = [list(range(width - len(s), width)) for s in self.slots]

@@ -1,0 +1,226 @@
+"""Continuous batching: a sequence decoded in a batch emits what it emits alone.
+
+Real embedded model throughout. Rows of a batch differ in prompt length (so in padding), method (vanilla,
+sd, lossy, csd with a memory that rescues) and draft length; sequences join while others run, leave when
+done or cancelled, and long prompts are prefilled in chunks between the others' rounds. Token comparisons
+go through `assert_same_tokens`: a batched forward may differ from a one-row forward in the last bits, so
+only a genuine near-tie may flip, and it is shown, never hidden.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ocm_store import InMemoryStore, Namespace
+from service.decoding import Engine, NgramDrafter, SamplingParams, SpeculativeConfig
+from service.decoding import batch_kv
+from service.decoding.batch import Batch
+from service.decoding.draft_policy import DraftPolicy
+from service.decoding.text import encode_chat
+from tests.decoding.test_lossless import assert_same_tokens
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+CHUNK = 48  # max_batched_tokens: small, so the long prompt is prefilled in several chunks
+MAX_TOKENS = 24
+PROMPTS = [
+    ("Write the days of the week, one per line, twice.", "sd"),
+    ("Copy exactly: the cat sat on the mat, the cat sat on the mat, the dog ran far.", "csd"),
+    ("Hi!", "vanilla"),
+    (
+        "Rewrite in American spelling: "
+        + " ".join(
+            "The colour of the theatre's centre stage was grey, and the organisers apologised for the "
+            "delay of the programme." for _ in range(4)
+        ),
+        "lossy",
+    ),
+]
+NS = Namespace("embedded", "ngram", "test")
+
+
+def seeded_memory(engine_target, prompt_ids):
+    """A memory that has seen the sd rejections of the csd prompt once: with lambda 0 each is a rescue
+    candidate. Built the same way for every run, so the alone and batched csd rows start equal."""
+    store = InMemoryStore()
+    memory = store.memory(NS)
+    engine = Engine(engine_target, {"ngram": NgramDrafter()}, {"ngram": memory})
+    g = engine.generate(
+        prompt_ids, SamplingParams(max_tokens=MAX_TOKENS), SpeculativeConfig(method="sd"), record_strict=True
+    )
+    for _ in g:
+        pass
+    return memory
+
+
+def make_generation(embedded, ids, method, memory=None):
+    engine = Engine(embedded, {"ngram": NgramDrafter()}, {"ngram": memory} if memory is not None else {})
+    spec = SpeculativeConfig(method=method, lambda_=0, tau=0.001) if method == "csd" else None
+    return engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS), spec or SpeculativeConfig(method=method))
+
+
+def run_batch(batch: Batch, join: dict[int, list], cancel: dict[int, object] | None = None) -> int:
+    """Step until every sequence finished; `join[i]` sequences are added before step i."""
+    steps = 0
+    while len(batch) or any(i >= steps for i in join):
+        for g in join.get(steps, []):
+            batch.add(g)
+        if cancel and steps in cancel:
+            batch.remove(cancel[steps])
+        batch.step()
+        steps += 1
+        assert steps < 500
+    return steps
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(embedded):
+    return [encode_chat(embedded.tokenizer, [{"role": "user", "content": p}]) for p, _ in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def alone(embedded, prompt_ids):
+    """Each prompt decoded alone (a batch of one), with the same chunk size."""
+    out = []
+    for ids, (_, method) in zip(prompt_ids, PROMPTS, strict=True):
+        memory = seeded_memory(embedded, ids) if method == "csd" else None
+        g = make_generation(embedded, ids, method, memory)
+        run_batch(Batch(embedded, max_batch_size=1, max_batched_tokens=CHUNK), {0: [g]})
+        out.append(g)
+    return out
+
+
+def fresh(embedded, prompt_ids):
+    gens = []
+    for ids, (_, method) in zip(prompt_ids, PROMPTS, strict=True):
+        memory = seeded_memory(embedded, ids) if method == "csd" else None
+        gens.append(make_generation(embedded, ids, method, memory))
+    return gens
+
+
+def check_same(embedded, prompt_ids, gens, alone, skip=()):
+    for i, (g, ref) in enumerate(zip(gens, alone, strict=True)):
+        if i in skip:
+            continue
+        assert_same_tokens(embedded, prompt_ids[i], [t.token_id for t in g.tokens], [t.token_id for t in ref.tokens])
+        assert g.finish_reason == ref.finish_reason
+        assert g.text == ref.text
+
+
+def test_the_alone_runs_exercise_what_batching_must_preserve(alone, prompt_ids):
+    """Guards the test's own power: drafts were verified, csd rescued, the long prompt needed chunks."""
+    by_method = {method: g for g, (_, method) in zip(alone, PROMPTS, strict=True)}
+    assert by_method["sd"].stats.num_draft_tokens > 0
+    assert by_method["csd"].stats.num_rescued > 0
+    assert by_method["vanilla"].stats.num_draft_tokens == 0
+    assert len(prompt_ids[3]) > 2 * CHUNK
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["holes", "compacted"])
+def test_batched_outputs_equal_alone_with_staggered_joins(embedded, prompt_ids, alone, compact, monkeypatch):
+    if compact:  # compact after every round: the gather path must keep every row intact
+        monkeypatch.setattr(batch_kv, "_COMPACT_MIN_SLOTS", 1)
+        monkeypatch.setattr(batch_kv, "_COMPACT_DEAD_SHARE", 0.0)
+    gens = fresh(embedded, prompt_ids)
+    batch = Batch(embedded, max_batch_size=4, max_batched_tokens=CHUNK)
+    # two start together, the long prompt joins mid-flight, the short one later still
+    run_batch(batch, {0: [gens[0], gens[1]], 2: [gens[3]], 5: [gens[2]]})
+    check_same(embedded, prompt_ids, gens, alone)
+
+
+def test_a_cancelled_sequence_leaves_the_others_untouched(embedded, prompt_ids, alone):
+    gens = fresh(embedded, prompt_ids)
+    batch = Batch(embedded, max_batch_size=4, max_batched_tokens=CHUNK)
+    run_batch(batch, {0: gens}, cancel={4: gens[1]})
+    assert gens[1].finish_reason is None and len(gens[1].tokens) < len(alone[1].tokens)
+    check_same(embedded, prompt_ids, gens, alone, skip={1})
+
+
+def test_a_long_prefill_is_chunked_between_the_others_rounds(embedded, prompt_ids):
+    short, long = fresh(embedded, prompt_ids)[0], fresh(embedded, prompt_ids)[3]
+    batch = Batch(embedded, max_batch_size=2, max_batched_tokens=CHUNK)
+    batch.add(short)
+    batch.step()  # short's prefill (one chunk) and its first round
+    assert len(short.tokens) > 0
+    batch.add(long)
+    chunks = -(-(len(prompt_ids[3]) - 1) // CHUNK)
+    for i in range(chunks):
+        before = len(short.tokens)
+        batch.step()
+        # every step gave the running sequence a round while the long prompt went in chunk by chunk
+        assert len(short.tokens) > before or short.finish_reason is not None
+        assert long.prefilled == min((i + 1) * CHUNK, len(prompt_ids[3]) - 1)
+    assert long in batch.running
+
+
+def test_batch_limits(embedded, prompt_ids):
+    batch = Batch(embedded, max_batch_size=2, max_batched_tokens=CHUNK)
+    gens = fresh(embedded, prompt_ids)
+    batch.add(gens[0])
+    batch.add(gens[1])
+    assert not batch.has_room
+    with pytest.raises(Exception, match="full"):
+        batch.add(gens[2])
+    with pytest.raises(Exception, match="max_batched_tokens"):
+        Batch(embedded, max_batch_size=8, max_batched_tokens=4)
+
+
+def test_round_width_never_exceeds_max_batched_tokens(embedded, prompt_ids):
+    """Four rows at 12 tokens a forward: the draft cap shrinks to 2 (3 tokens a row)."""
+    widths = []
+    gens = fresh(embedded, prompt_ids)
+    batch = Batch(embedded, max_batch_size=4, max_batched_tokens=12)
+    model = embedded.model
+    hook = model.register_forward_pre_hook(
+        lambda _m, args, kwargs: widths.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        for g in gens:
+            batch.add(g)
+        for _ in range(8):
+            batch.step()
+    finally:
+        hook.remove()
+    assert max(widths) <= 12
+    assert any(g.stats.num_draft_tokens for g in gens)
+
+
+def test_speculation_is_switched_off_when_a_wide_batch_does_not_pay():
+    """On a CPU a forward costs about linear in its tokens past a few: alone, drafts that usually survive
+    are worth verifying; at 16 rows they are not, and the cap drops to 0 (plain batched decoding)."""
+    cpu = [1.0, 1.3, 1.5, 1.7, 1.9, 2.1, 2.3, 2.5] + [2.5 * n / 8 for n in range(9, 129)]
+    policy = DraftPolicy(cpu, explore_every=1000)
+    for _ in range(50):
+        policy.observe("ngram", 2, drafted=4, kept=3)
+    assert policy.choose_batch([("ngram", 2, 4)], rows=1) == 3  # the 4th draft token never survived
+    assert policy.choose_batch([("ngram", 2, 4)] * 16, rows=16) == 0
+    # mixed batch: one speculating row among 8 cannot pay for widening all eight
+    assert policy.choose_batch([("ngram", 2, 4)], rows=8) == 0
+
+
+def test_speculation_stays_on_at_16_rows_where_forwards_are_overhead_bound():
+    """A GPU-like cost table (a wider forward costs little more): the same drafts pay at 16 rows."""
+    gpu = [1.0 + 0.002 * n for n in range(1, 129)]
+    policy = DraftPolicy(gpu, explore_every=1000)
+    for _ in range(50):
+        policy.observe("ngram", 2, drafted=4, kept=3)
+    assert policy.choose_batch([("ngram", 2, 4)] * 16, rows=16) >= 3
+    assert policy.choose_batch([("ngram", 2, 4)] * 16, rows=16, max_len=2) == 2
+
+
+def test_greedy_argmax_is_unaffected_by_padding_rows(embedded, prompt_ids):
+    """The raw layout check: one row's logits in a padded two-row forward equal its one-row logits."""
+    from service.decoding.batch_kv import BatchKV
+
+    a, b = prompt_ids[0], prompt_ids[2]
+    with torch.inference_mode():
+        solo = embedded.model(input_ids=torch.tensor([b])).logits[0].float()
+        kv = BatchKV(embedded.model, embedded.device, rows=1)
+        kv.forward([a[:-1]])
+        other = BatchKV(embedded.model, embedded.device, rows=1)
+        other.forward([b[:5]])
+        kv.add(other)  # b is left-padded to a's width
+        logits = kv.forward([[a[-1]], b[5:]])[1, : len(b) - 5].float()
+    assert torch.allclose(logits, solo[5:], atol=1e-3)
+    assert torch.equal(logits.argmax(-1), solo[5:].argmax(-1))
