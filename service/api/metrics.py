@@ -102,6 +102,13 @@ class ServiceMetrics:
             buckets=tuple(float(i) for i in range(1, num_speculative_tokens + 2)),
             registry=r,
         )
+        self.batch_rows = Histogram(
+            "csd_batch_rows",
+            "Generations that shared one decoding forward (continuous batching); the count is the number of "
+            "batched forwards.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024),
+            registry=r,
+        )
         self.requests_running = Gauge(
             "csd_num_requests_running", "Generations running on the engine.", registry=r
         )

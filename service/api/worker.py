@@ -243,6 +243,8 @@ class EngineWorker:
                 self._set_running()
                 continue
             self.on_forward_ok()
+            if results:
+                self.metrics.batch_rows.observe(len(results))
             now = time.monotonic()
             by_generation = {id(a.generation): a for a in self._active}
             finished: list[_Active] = []
@@ -272,7 +274,11 @@ class EngineWorker:
             if self._stopping and not self._active:
                 return False
             taken: list[Job] = []
-            while self._waiting and self._batch.has_room and len(taken) + len(self._active) < self.max_batch_size:
+            while (
+                self._waiting
+                and self._batch.has_room
+                and len(taken) + len(self._active) < self.max_batch_size
+            ):
                 taken.append(self._waiting.popleft())
             self.metrics.requests_waiting.set(len(self._waiting))
         for job in taken:
@@ -320,7 +326,13 @@ class EngineWorker:
         job, plan = active.job, active.job.plan
         if not plan.internal:
             self._record_step(
-                self.metrics, plan.method, plan.drafter_label, step, now - job.arrived, active.last_round_end, now
+                self.metrics,
+                plan.method,
+                plan.drafter_label,
+                step,
+                now - job.arrived,
+                active.last_round_end,
+                now,
             )
         active.last_round_end = now
         token_texts = None

@@ -162,7 +162,9 @@ class BatchKV:
             # layers the padding now so slots and tensors agree.
             self._materialise(n)
             n = 0
-        self.mask = torch.cat([torch.zeros((self.rows, n), dtype=torch.bool, device=self.device), self.mask], 1)
+        self.mask = torch.cat(
+            [torch.zeros((self.rows, n), dtype=torch.bool, device=self.device), self.mask], 1
+        )
         self.slots = [[s + n for s in slots] for slots in self.slots]
 
     def _materialise(self, width: int) -> None:

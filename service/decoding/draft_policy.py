@@ -85,7 +85,9 @@ class DraftPolicy:
         """The draft prefix length to verify for a sequence decoded alone (0: a plain step)."""
         return self.choose_batch([(drafter, key, draft_len)], rows=1)
 
-    def choose_batch(self, drafts: Sequence[tuple[str, int, int]], rows: int, max_len: int | None = None) -> int:
+    def choose_batch(
+        self, drafts: Sequence[tuple[str, int, int]], rows: int, max_len: int | None = None
+    ) -> int:
         """One draft cap K for a batch round: every speculating row verifies min(K, its draft) tokens.
 
         `drafts` holds (drafter, key, available draft length) per speculating row; `rows` counts every row

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from ocm_store import InMemoryStore, Namespace
-from service.decoding import Engine, NgramDrafter, SamplingParams, SpeculativeConfig
-from service.decoding import batch_kv
+from service.decoding import Engine, NgramDrafter, SamplingParams, SpeculativeConfig, batch_kv
 from service.decoding.batch import Batch
 from service.decoding.draft_policy import DraftPolicy
 from service.decoding.text import encode_chat
@@ -32,7 +31,8 @@ PROMPTS = [
         "Rewrite in American spelling: "
         + " ".join(
             "The colour of the theatre's centre stage was grey, and the organisers apologised for the "
-            "delay of the programme." for _ in range(4)
+            "delay of the programme."
+            for _ in range(4)
         ),
         "lossy",
     ),
@@ -57,7 +57,9 @@ def seeded_memory(engine_target, prompt_ids):
 def make_generation(embedded, ids, method, memory=None):
     engine = Engine(embedded, {"ngram": NgramDrafter()}, {"ngram": memory} if memory is not None else {})
     spec = SpeculativeConfig(method=method, lambda_=0, tau=0.001) if method == "csd" else None
-    return engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS), spec or SpeculativeConfig(method=method))
+    return engine.generate(
+        ids, SamplingParams(max_tokens=MAX_TOKENS), spec or SpeculativeConfig(method=method)
+    )
 
 
 def run_batch(batch: Batch, join: dict[int, list], cancel: dict[int, object] | None = None) -> int:
@@ -103,7 +105,9 @@ def check_same(embedded, prompt_ids, gens, alone, skip=()):
     for i, (g, ref) in enumerate(zip(gens, alone, strict=True)):
         if i in skip:
             continue
-        assert_same_tokens(embedded, prompt_ids[i], [t.token_id for t in g.tokens], [t.token_id for t in ref.tokens])
+        assert_same_tokens(
+            embedded, prompt_ids[i], [t.token_id for t in g.tokens], [t.token_id for t in ref.tokens]
+        )
         assert g.finish_reason == ref.finish_reason
         assert g.text == ref.text
 
