@@ -25,7 +25,7 @@ import torch
 
 from service.decoding.batch_kv import BatchKV
 from service.decoding.draft_policy import DraftPolicy
-from service.decoding.drafters import Draft
+from service.decoding.drafters import Draft, ModelDraftRows
 from service.decoding.engine import Generation
 from service.decoding.models import LoadedModel
 from service.decoding.types import DecodingError, GenerationStep
@@ -51,7 +51,10 @@ class Batch:
         self.max_batched_tokens = max_batched_tokens
         self.kv = BatchKV(target.model, target.device)
         self.running: list[Generation] = []  # row b of self.kv is running[b]
-        self.joining: collections.deque[tuple[Generation, BatchKV]] = collections.deque()
+        # sequences whose prompts are going in: (generation, its target cache, its draft-model cache or None)
+        self.joining: collections.deque[tuple[Generation, BatchKV, BatchKV | None]] = collections.deque()
+        # per draft model (by drafter name): the draft caches of the running sequences that use it
+        self.draft_rows: dict[str, ModelDraftRows] = {}
 
     # ------------------------------------------------------------------ membership
 
@@ -67,11 +70,17 @@ class Batch:
             raise DecodingError(f"the batch is full ({self.max_batch_size} sequences)")
         if generation.target is not self.target:
             raise DecodingError("a batch runs sequences of one target model")
-        self.joining.append((generation, BatchKV(self.target.model, self.target.device, rows=1)))
+        draft_kv = None
+        if generation.drafter_session is not None and not generation.drafter.cheap:
+            rows = self.draft_rows.get(generation.drafter.name)
+            if rows is None:
+                rows = self.draft_rows[generation.drafter.name] = ModelDraftRows(generation.drafter.draft)
+            draft_kv = rows.new_row()
+        self.joining.append((generation, BatchKV(self.target.model, self.target.device, rows=1), draft_kv))
 
     def remove(self, generation: Generation) -> None:
         """Take a sequence out (cancelled or finished); the others carry on untouched."""
-        for i, (joining, _) in enumerate(self.joining):
+        for i, (joining, _, _) in enumerate(self.joining):
             if joining is generation:
                 del self.joining[i]
                 return
@@ -79,6 +88,8 @@ class Batch:
             if running is generation:
                 del self.running[row]
                 self.kv.remove([row])
+                for rows in self.draft_rows.values():
+                    rows.leave(generation)
                 return
 
     def clear(self) -> None:
@@ -86,6 +97,7 @@ class Batch:
         self.running.clear()
         self.joining.clear()
         self.kv = BatchKV(self.target.model, self.target.device)
+        self.draft_rows.clear()
 
     # ------------------------------------------------------------------ one step
 
@@ -100,18 +112,22 @@ class Batch:
     def _prefill_chunk(self) -> None:
         if not self.joining:
             return
-        generation, own = self.joining[0]
+        generation, own, draft_own = self.joining[0]
         chunk = generation.prefill_ids[generation.prefilled : generation.prefilled + self.max_batched_tokens]
         if chunk:
             started = time.perf_counter()
             # logits_to_keep=1 skips the vocabulary projection of the prompt: only its cache is wanted
             own.forward([chunk], logits_to_keep=1)
+            if draft_own is not None:
+                draft_own.forward([chunk], logits_to_keep=1)
             generation.prefilled += len(chunk)
             generation.stats.prefill_seconds += time.perf_counter() - started
         if generation.prefilled >= len(generation.prefill_ids):
             self.joining.popleft()
             self.kv.add(own)
             self.running.append(generation)
+            if draft_own is not None:
+                self.draft_rows[generation.drafter.name].join(generation, draft_own, generation.prefill_ids)
 
     def _round(self) -> list[tuple[Generation, GenerationStep]]:
         started = time.perf_counter()
@@ -120,7 +136,7 @@ class Batch:
         cap = self.policy.choose_batch(
             [o for o in offers if o is not None], rows=rows, max_len=self.max_batched_tokens // rows - 1
         )
-        drafts = [g.take_draft(cap) if o is not None else Draft([]) for g, o in zip(self.running, offers)]
+        drafts = self._drafts(offers, cap)
         feeds = [g.round_tokens(d) for g, d in zip(self.running, drafts, strict=True)]
         logits = self.kv.forward(feeds)
         seconds = time.perf_counter() - started
@@ -131,8 +147,32 @@ class Batch:
             self.kv.keep(row, self.kv.length(row) - len(fed) + kept)
             results.append((generation, step))
         self.kv.settle()
-        finished = [row for row, g in enumerate(self.running) if g.finish_reason is not None]
-        if finished:
-            self.running = [g for row, g in enumerate(self.running) if row not in set(finished)]
-            self.kv.remove(finished)
+        for generation in [g for g in self.running if g.finish_reason is not None]:
+            self.remove(generation)
         return results
+
+    def _drafts(self, offers: list, cap: int) -> list[Draft]:
+        """Each row's draft under the cap: cheap proposals cut to it; draft models run batched, one draft
+        forward per position for all the rows that use them."""
+        wanted: dict[str, dict] = {}
+        for generation, offer in zip(self.running, offers, strict=True):
+            if offer is not None and not generation.drafter.cheap:
+                k = generation.draft_limit(cap)
+                if k:
+                    wanted.setdefault(generation.drafter.name, {})[generation] = (
+                        generation.committed,
+                        k,
+                        generation.drafter_session,
+                    )
+        proposed: dict = {}
+        for name, rows in wanted.items():
+            proposed.update(self.draft_rows[name].propose(rows))
+        drafts = []
+        for generation, offer in zip(self.running, offers, strict=True):
+            if offer is None:
+                drafts.append(Draft([]))
+            elif generation.drafter.cheap:
+                drafts.append(generation.take_draft(cap))
+            else:
+                drafts.append(proposed.get(generation, Draft([])))
+        return drafts

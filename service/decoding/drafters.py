@@ -126,49 +126,104 @@ class ModelDrafter:
 
 
 class ModelDraftSession:
+    """A sequence's draft-model settings; its cache lives in the batch's `ModelDraftRows`, which drafts
+    for every sequence of a batch in one draft forward per draft position."""
+
     def __init__(
         self, draft: LoadedModel, sampling: SamplingParams, generator: torch.Generator | None
     ) -> None:
-        self.model = draft.model
-        self.device = draft.device
+        self.draft = draft
         self.sampling = sampling
         self.generator = generator
-        self.cache = DynamicCache(config=self.model.config)
-        self.cached: list[int] = []  # token ids whose keys/values are in self.cache
-        self.synced = 0  # cached[:synced] is known to equal the committed sequence
-
-    def _forward(self, ids: Sequence[int]) -> torch.Tensor:
-        """Feed ids after the cache; returns the logits of the last one, [V]."""
-        out = self.model(
-            input_ids=torch.tensor([list(ids)], device=self.device), cache=self.cache, logits_to_keep=1
-        )
-        self.cached.extend(ids)
-        return out.logits[0, -1].float()
-
-    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        if self.sampling.greedy:
-            return int(logits.argmax()), None
-        probs = sampling_probs(logits, self.sampling.temperature, self.sampling.top_p)
-        return int(torch.multinomial(probs, 1, generator=self.generator)), probs
 
     def propose(self, committed: Sequence[int], k: int) -> Draft:
-        # Roll back: keep the longest prefix of the cache that the target kept (gpt-fast's edge case, where
-        # every draft token was kept and the last one was never fed, falls out of this too).
-        keep = self.synced
-        limit = min(len(self.cached), len(committed) - 1)  # the newest committed token must be fed
-        while keep < limit and self.cached[keep] == committed[keep]:
-            keep += 1
-        crop_cache(self.cache, keep)
-        del self.cached[keep:]
-        logits = self._forward(committed[keep:])
-        self.synced = len(committed)
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        for i in range(k):
-            token, probs = self._pick(logits)
-            tokens.append(token)
-            if probs is not None:
-                rows.append(probs)
-            if i < k - 1:
-                logits = self._forward([token])
-        return Draft(tokens, torch.stack(rows) if rows else None)
+        raise DecodingError("a draft model proposes through its batch (ModelDraftRows), not per sequence")
+
+
+class ModelDraftRows:
+    """The draft model's KV cache for the sequences of one batch that draft with it, one row each.
+
+    Per round, `propose()` runs 1 + (k - 1) draft forwards for all rows together:
+    1. catch-up: each row rolls its cache back to the longest prefix the target kept (the rejected draft
+       tokens become dead slots) and feeds the committed tokens it has not seen (usually the last one or two);
+    2. each further position feeds every row the token it just drafted.
+    Rows that draft fewer tokens (their budget is nearly spent) feed a dummy token that is dropped at once,
+    so every row takes part in every forward. Prompts are prefilled outside, chunk by chunk, by the batch.
+    """
+
+    def __init__(self, draft: LoadedModel) -> None:
+        from service.decoding.batch_kv import BatchKV  # batch_kv is a sibling; imported here for clarity
+
+        self.draft = draft
+        self.kv = BatchKV(draft.model, draft.device)
+        self.keys: list[object] = []  # row -> the sequence it drafts for
+        self.cached: list[list[int]] = []  # row -> token ids whose keys/values are live in self.kv
+
+    def new_row(self):  # -> BatchKV
+        """A one-row cache to prefill a joining sequence's prompt into (then `join`)."""
+        from service.decoding.batch_kv import BatchKV
+
+        return BatchKV(self.draft.model, self.draft.device, rows=1)
+
+    def join(self, key: object, own, prefilled: Sequence[int]) -> None:
+        self.kv.add(own)
+        self.keys.append(key)
+        self.cached.append(list(prefilled))
+
+    def leave(self, key: object) -> None:
+        if key in self.keys:
+            row = self.keys.index(key)
+            del self.keys[row]
+            del self.cached[row]
+            self.kv.remove([row])
+
+    def propose(
+        self, wanted: dict[object, tuple[Sequence[int], int, ModelDraftSession]]
+    ) -> dict[object, Draft]:
+        """Drafts for the rows in `wanted` (key -> (committed, k, session)); other rows only catch up."""
+        if not wanted or not self.keys:
+            return {}
+        feeds: list[list[int]] = []
+        for row, key in enumerate(self.keys):
+            committed = wanted[key][0] if key in wanted else None
+            cached = self.cached[row]
+            if committed is None:
+                feeds.append([cached[-1]] if cached else [0])  # a dummy, dropped below
+                continue
+            keep, limit = 0, min(len(cached), len(committed) - 1)  # the newest committed token must be fed
+            while keep < limit and cached[keep] == committed[keep]:
+                keep += 1
+            self.kv.keep(row, keep)
+            del cached[keep:]
+            feeds.append(list(committed[keep:]))
+        rounds = max(k for _, k, _ in wanted.values())
+        tokens: dict[object, list[int]] = {key: [] for key in wanted}
+        probs: dict[object, list[torch.Tensor]] = {key: [] for key in wanted}
+        for i in range(rounds):
+            bases = [self.kv.length(row) for row in range(len(self.keys))]
+            logits = self.kv.forward(feeds)
+            next_feeds: list[list[int]] = []
+            for row, key in enumerate(self.keys):
+                fed = feeds[row]
+                if key not in wanted or i >= wanted[key][1]:
+                    self.kv.keep(row, bases[row] + (len(fed) if key in wanted and i == 0 else 0))
+                    if key in wanted and i == 0:
+                        self.cached[row].extend(fed)
+                    next_feeds.append([self.cached[row][-1] if self.cached[row] else 0])
+                    continue
+                self.cached[row].extend(fed)
+                token, p = self._pick(logits[row, len(fed) - 1].float(), wanted[key][2])
+                tokens[key].append(token)
+                if p is not None:
+                    probs[key].append(p)
+                next_feeds.append([token])
+            feeds = next_feeds
+        self.kv.settle()
+        return {key: Draft(tokens[key], torch.stack(probs[key]) if probs[key] else None) for key in wanted}
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, session: ModelDraftSession) -> tuple[int, torch.Tensor | None]:
+        if session.sampling.greedy:
+            return int(logits.argmax()), None
+        probs = sampling_probs(logits, session.sampling.temperature, session.sampling.top_p)
+        return int(torch.multinomial(probs, 1, generator=session.generator)), probs

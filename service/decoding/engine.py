@@ -154,14 +154,15 @@ class Generation:
             return self.drafter.name, self._pending.key, min(k, len(self._pending.tokens))
         return self.drafter.name, 0, k
 
+    def draft_limit(self, cap: int) -> int:
+        """How many draft tokens this sequence verifies under the batch's cap (its budget may allow fewer)."""
+        return max(0, min(cap, self._draft_budget(len(self.committed))))
+
     def take_draft(self, cap: int) -> Draft:
-        """The draft this round verifies: at most `cap` tokens (the batch's choice)."""
-        k = min(cap, self._draft_budget(len(self.committed)))
-        if k <= 0 or self.drafter_session is None:
-            return Draft([])
-        draft = self._pending if self.drafter.cheap else self.drafter_session.propose(self.committed, k)
-        self._pending = None
-        if draft is None:
+        """A cheap drafter's proposal cut to the batch's cap (a draft model's drafts come from the batch)."""
+        draft, self._pending = self._pending, None
+        k = self.draft_limit(cap)
+        if k == 0 or draft is None:
             return Draft([])
         probs = draft.probs[:k] if draft.probs is not None else None
         return Draft(draft.tokens[:k], probs, draft.key)

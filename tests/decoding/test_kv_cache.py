@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from service.decoding import Engine, ModelDrafter, NgramDrafter, SamplingParams, SpeculativeConfig
-from service.decoding.drafters import ModelDraftSession
+from service.decoding.drafters import ModelDraftRows, ModelDraftSession
 from service.decoding.kv_cache import crop_cache
 from service.decoding.verification import sampling_probs
 from tests.conftest import make_word_model
@@ -95,37 +95,74 @@ def start_session(draft_model, seed: int = 0) -> ModelDraftSession:
     return ModelDraftSession(draft_model, sampling, torch.Generator().manual_seed(seed))
 
 
+def draft_rows(draft_model, prompts: list[list[int]]) -> tuple[ModelDraftRows, list[object]]:
+    """A batch's draft cache with one row per prompt, each prefilled (all but its last token) on its own
+    and joined, as the batch does."""
+    rows = ModelDraftRows(draft_model)
+    keys = []
+    for i, prompt in enumerate(prompts):
+        own = rows.new_row()
+        with torch.inference_mode():
+            own.forward([prompt[:-1]], logits_to_keep=1)
+        key = f"sequence-{i}"
+        rows.join(key, own, prompt[:-1])
+        keys.append(key)
+    return rows, keys
+
+
+def propose(rows, wanted):
+    with torch.inference_mode():
+        return rows.propose(wanted)
+
+
 @pytest.mark.parametrize("kept", [0, 2, 4], ids=["first-rejected", "some-kept", "all-kept-bonus"])
-def test_draft_session_rollback_equals_fresh_prefill(words, kept):
+def test_draft_rollback_equals_fresh_prefill(words, kept):
     """Round 1 drafts k = 4 tokens; the target keeps `kept` of them and adds one token; round 2 must see
     exactly the committed sequence. kept = k is gpt-fast's edge case: the draft never fed its own last
     token, so round 2 has to feed it along with the bonus token."""
-    session = start_session(words)
     committed = [2, 3, 4, 5, 6, 7, 2, 3]
-    first = session.propose(committed, 4)
+    rows, (key,) = draft_rows(words, [committed])
+    session = start_session(words)
+    first = propose(rows, {key: (committed, 4, session)})[key]
     assert_draft_matches_fresh_prefill(words, committed, first)
-    # the draft fed its first 3 tokens (the 4th is only sampled)
-    assert session.cache.get_seq_length() == len(committed) + 3
+    # the draft fed the committed tokens and its first 3 drafts (the 4th is only sampled)
+    assert rows.kv.length(0) == len(committed) + 3
 
     recovered = next(t for t in range(2, 12) if kept == 4 or t != first.tokens[kept])
     committed = committed + first.tokens[:kept] + [recovered]
-    second = session.propose(committed, 4)
+    second = propose(rows, {key: (committed, 4, session)})[key]
     assert_draft_matches_fresh_prefill(words, committed, second)
-    assert session.cached == committed + second.tokens[:3]
-    assert session.cache.get_seq_length() == len(session.cached)
+    assert rows.cached[0] == committed + second.tokens[:3]
+    assert rows.kv.length(0) == len(rows.cached[0])
 
 
-def test_draft_session_survives_many_rounds(words):
-    """Rounds of random keep/reject decisions: the cache stays consistent with the committed sequence."""
+def test_batched_draft_rows_survive_many_rounds(words):
+    """Three rows of different lengths, random k per row (some rows sit a round out), random keep/reject:
+    every row's drafts stay what a fresh prefill of its own sequence gives."""
     rng = torch.Generator().manual_seed(5)
-    session = start_session(words, seed=1)
-    committed = [2, 3, 4]
-    for _ in range(12):
-        k = int(torch.randint(1, 6, (), generator=rng))
-        proposal = session.propose(committed, k)
-        assert_draft_matches_fresh_prefill(words, committed, proposal)
-        kept = int(torch.randint(0, k + 1, (), generator=rng))
-        committed = committed + proposal.tokens[:kept] + [int(torch.randint(2, 12, (), generator=rng))]
+    committed = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 2, 3], [4, 4]]
+    rows, keys = draft_rows(words, committed)
+    sessions = [start_session(words, seed=i) for i in range(3)]
+    for _ in range(10):
+        ks = [int(torch.randint(0, 5, (), generator=rng)) for _ in keys]
+        wanted = {key: (committed[i], ks[i], sessions[i]) for i, key in enumerate(keys) if ks[i]}
+        drafts = propose(rows, wanted)
+        for i, key in enumerate(keys):
+            if not ks[i]:
+                assert key not in drafts
+                continue
+            assert len(drafts[key].tokens) == ks[i]
+            assert_draft_matches_fresh_prefill(words, committed[i], drafts[key])
+            kept = int(torch.randint(0, ks[i] + 1, (), generator=rng))
+            committed[i] = (
+                committed[i] + drafts[key].tokens[:kept] + [int(torch.randint(2, 12, (), generator=rng))]
+            )
+    # a row leaving does not disturb the others
+    rows.leave(keys[1])
+    wanted = {key: (committed[i], 3, sessions[i]) for i, key in enumerate(keys) if i != 1}
+    drafts = propose(rows, wanted)
+    for i in (0, 2):
+        assert_draft_matches_fresh_prefill(words, committed[i], drafts[keys[i]])
 
 
 # ---------------------------------------------------------------- the engine: no re-encoding
