@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache
 
-from service.decoding.kv_cache import crop_cache
 from service.decoding.models import LoadedModel
 from service.decoding.types import DecodingError, SamplingParams
 from service.decoding.verification import sampling_probs
