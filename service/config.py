@@ -25,6 +25,9 @@ class Settings(BaseSettings):
     device: str = "cpu"
     cache_dir: Path = Field(default_factory=default_cache_dir)
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+    pack_cpu_weights: bool = Field(
+        True, description="fp32 CPU models: pack linear weights for oneDNN (faster multi-token forwards)"
+    )
 
     # ---- speculation defaults (a request may override them)
     method: Method = Method.CSD

@@ -47,7 +47,11 @@ class Runtime:
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
         target = load_model(
-            settings.model, dtype=settings.dtype, device=settings.device, cache_dir=settings.cache_dir
+            settings.model,
+            dtype=settings.dtype,
+            device=settings.device,
+            cache_dir=settings.cache_dir,
+            pack_cpu_weights=settings.pack_cpu_weights,
         )
         drafters: dict[str, Drafter] = {"ngram": NgramDrafter(settings.ngram_min, settings.ngram_max)}
         draft = None
@@ -57,6 +61,7 @@ class Runtime:
                 dtype=settings.dtype,
                 device=settings.device,
                 cache_dir=settings.cache_dir,
+                pack_cpu_weights=settings.pack_cpu_weights,
             )
             check_same_vocabulary(target, draft)
             drafters["model"] = ModelDrafter(draft)

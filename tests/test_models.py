@@ -157,3 +157,34 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_both(words):
         check_same_vocabulary(words, make_word_model(seed=2, tokenizer=shuffled))
     # a draft with the very same tokenizer is fine
     check_same_vocabulary(words, make_word_model(seed=3, tokenizer=words.tokenizer))
+
+
+# ---------------------------------------------------------------- oneDNN-packed CPU weights
+
+
+def test_packed_cpu_weights_give_the_default_kernels_logits(embedded):
+    """`load_model` packs an fp32 CPU model's linear layers for oneDNN; the logits stay those of the
+    default kernels to float32 rounding, for one token and for several (the speculative shapes), and the
+    greedy choice is the same at every position."""
+    from service.decoding.cpu_kernels import PackedLinear
+
+    dense = load_model("embedded", pack_cpu_weights=False)
+    assert not any(isinstance(m, PackedLinear) for m in dense.model.modules())
+    assert any(isinstance(m, PackedLinear) for m in embedded.model.modules())
+    assert not any(type(m) is torch.nn.Linear for m in embedded.model.modules())
+    ids = embedded.tokenizer("The colour of the theatre was grey, and the centre stage of the")["input_ids"]
+    for rows in (ids[:1], ids):
+        packed_logits, dense_logits = logits(embedded, rows), logits(dense, rows)
+        torch.testing.assert_close(packed_logits, dense_logits, atol=1e-3, rtol=0)
+        assert torch.equal(packed_logits.argmax(-1), dense_logits.argmax(-1))
+    # code that inspects the output projection still sees a dense [vocab, hidden] weight
+    head = embedded.model.get_output_embeddings()
+    assert tuple(head.weight.shape) == (len(embedded.tokenizer), embedded.model.config.hidden_size)
+
+
+def test_models_that_are_not_fp32_on_the_cpu_are_not_packed():
+    from service.decoding.cpu_kernels import pack_linear_layers
+
+    half = make_word_model(seed=1).model.to(torch.bfloat16)
+    assert pack_linear_layers(half) == 0
+    assert any(type(m) is torch.nn.Linear for m in half.modules())

@@ -1,0 +1,80 @@
+"""Leaner CPU forwards: the linear layers' weights packed once for oneDNN (MKL-DNN).
+
+Speculative decoding lives on the gap between the cost of a forward over one token and over k + 1 tokens.
+On a CPU, PyTorch's default fp32 matmul handles one row as a matrix-vector product (memory-bound and fast)
+but a few rows as a general matmul that re-packs the whole weight matrix on every call: measured on the
+embedded model with one thread, a 7-token forward cost 2.0x a 1-token one and a two-row vocabulary
+projection 2.2x a one-row one. With the weights packed once at load (what `torch.utils.mkldnn.MkldnnLinear` does, without its deprecated
+TorchScript wrapper),
+the 7-token forward costs 1.45x a 1-token one and batched forwards of 8-16 rows run 1.3-1.5x faster, while
+the 1-token forward stays as fast. Logits agree with the default kernels to float32 rounding (tested).
+
+Applied by `load_model` to fp32 models on the CPU when oneDNN is available (`CSD_PACK_CPU_WEIGHTS=false`
+turns it off). GPUs are untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class PackedLinear(torch.nn.Module):
+    """An `nn.Linear` whose weight lives in oneDNN's blocked layout; takes and returns dense tensors of any
+    leading shape, like the layer it replaces."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        with torch.no_grad():
+            weight = linear.weight.detach().float()
+            bias = (
+                linear.bias.detach().float()
+                if linear.bias is not None
+                else weight.new_zeros(self.out_features)
+            )
+            # buffers, not parameters: nothing trains them, and model.parameters() keeps listing dense tensors
+            self.register_buffer("packed_weight", weight.to_mkldnn(), persistent=False)
+            self.register_buffer("packed_bias", bias.to_mkldnn(), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight, rebuilt on access (for code that inspects it, e.g. a profile)."""
+        return self.packed_weight.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).to_mkldnn()
+        y = torch._C._nn.mkldnn_linear(rows, self.packed_weight, self.packed_bias).to_dense()
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def can_pack(model: torch.nn.Module) -> bool:
+    try:
+        parameter = next(model.parameters())
+    except StopIteration:
+        return False
+    return (
+        torch.backends.mkldnn.is_available()
+        and parameter.device.type == "cpu"
+        and parameter.dtype == torch.float32
+    )
+
+
+def pack_linear_layers(model: torch.nn.Module) -> int:
+    """Replace every `nn.Linear` of an fp32 CPU model by a `PackedLinear`; returns how many were replaced
+    (0 when the model is not an fp32 CPU model or oneDNN is missing)."""
+    if not can_pack(model):
+        return 0
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(module, name, PackedLinear(child))
+                replaced += 1
+    log.debug("packed %d linear layers for oneDNN", replaced)
+    return replaced
