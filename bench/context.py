@@ -20,7 +20,7 @@ from service.decoding import (
     NgramDrafter,
     SpeculativeConfig,
 )
-from service.decoding.draft_policy import measure_forward_costs
+from service.decoding.draft_policy import ForwardCosts, measure_forward_costs
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Bench:
     progress: tqdm
     calibrated: InMemoryStore = field(default_factory=InMemoryStore)
     # target forward seconds for 1..k+1 tokens, for the adaptive methods' draft policy
-    forward_costs: list[float] = field(default_factory=list)
+    forward_costs: ForwardCosts | None = None
     _embedder: SentenceEmbedder | None = None
     _scorer: LogLikelihoodScorer | None = None
 

@@ -363,7 +363,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clients", help="comma-separated client counts (default 1,2,4,8,16)")
     p.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)}")
     p.add_argument("--requests", type=int, help="requests per client (default 2; --quick 1)")
-    p.add_argument("--max-tokens", type=int, help="tokens per request (default 64; --quick 32)")
+    p.add_argument("--max-tokens", type=int, help="tokens per request (default 128; --quick 32)")
     p.add_argument("--model", default="embedded")
     p.add_argument("--torch-threads", type=int, help="the servers' torch threads (default: torch's)")
     p.add_argument("--out", type=Path, help="output folder (default bench/results/load-<timestamp>)")
@@ -380,7 +380,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown config {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
     args.requests = args.requests or (1 if args.quick else 2)
-    args.max_tokens = args.max_tokens or (32 if args.quick else 64)
+    args.max_tokens = args.max_tokens or (32 if args.quick else 128)
     if args.requests < 1 or args.max_tokens < 1:
         p.error("--requests and --max-tokens must be positive")
     return args

@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     max_queue: int = Field(32, ge=0, description="requests waiting beyond the running batch; more get 429")
     max_batch_size: int = Field(16, ge=1, le=1024, description="generations that share each target forward")
     max_batched_tokens: int = Field(
-        256, ge=1, description="tokens in one target forward: caps a round's drafts and each prefill chunk"
+        128, ge=1, description="tokens per engine step: a round's drafts plus a prompt chunk stay within it"
     )
     request_timeout_s: float = Field(300.0, gt=0)
     max_body_bytes: int = Field(1_000_000, ge=1024)

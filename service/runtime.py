@@ -80,17 +80,17 @@ class Runtime:
         memories = {name: store.memory(ns) for name, ns in namespaces.items()}
         policy = None
         if settings.adaptive_speculation and settings.num_speculative_tokens > 0:
-            # Costs up to the widest batched round (every row verifying a full draft), one by one up to a
-            # single full draft and at doubling sizes beyond.
+            # Real batch shapes up to the largest batch: one row at every draft length, batches at doubling
+            # row counts (a few seconds at start on a CPU).
             k = settings.num_speculative_tokens
-            widest = min(settings.max_batch_size * (k + 1), settings.max_batched_tokens)
-            costs = measure_forward_costs(target.model, max(widest, k + 1), dense=k + 1)
+            costs = measure_forward_costs(target.model, k + 1, max_rows=settings.max_batch_size)
             log.info(
-                "target forward costs (ms) for 1..%d tokens: %s; %d tokens: %.1f",
-                k + 1,
-                [round(c * 1e3, 1) for c in costs[: k + 1]],
-                len(costs),
-                costs[-1] * 1e3,
+                "target forward costs (ms), rows x tokens: %s",
+                ", ".join(
+                    f"{rows}x{t}: {costs(rows, t) * 1e3:.1f}"
+                    for rows in costs.by_rows
+                    for t in sorted({1, k + 1})
+                ),
             )
             policy = DraftPolicy(costs)
         engine = Engine(target, drafters, memories, policy)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from service.api.errors import CLIENT_CLOSED_REQUEST, SERVER, UNAVAILABLE, APIError
 from service.api.metrics import ServiceMetrics
 from service.decoding import DecodingError, Engine, GenerationStats, SamplingParams, SpeculativeConfig
-from service.decoding.batch import Batch
+from service.decoding.batch import DEFAULT_MAX_BATCHED_TOKENS, Batch
 from service.decoding.engine import Generation
 from service.decoding.types import EmittedToken, GenerationStep
 
@@ -146,7 +146,7 @@ class EngineWorker:
         max_queue: int,
         on_forward_ok: Callable[[], None] = lambda: None,
         max_batch_size: int = 1,
-        max_batched_tokens: int = 256,
+        max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
     ) -> None:
         self.engine = engine
         self.metrics = metrics

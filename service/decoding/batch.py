@@ -2,9 +2,10 @@
 
 A `Batch` owns the running sequences and one `BatchKV` holding their caches (padding + masks; the layout is
 explained there). Each `step()`:
-1. feeds at most one prefill chunk (`max_batched_tokens` prompt tokens) of the oldest joining sequence into
-   that sequence's own cache; a sequence whose prompt is in joins the running rows. One chunk per step, so
-   a long prompt delays the others' next round by one chunk forward, never by its whole prefill;
+1. feeds at most one prefill chunk of the oldest joining sequence into that sequence's own cache; a
+   sequence whose prompt is in joins the running rows. A step's tokens (the previous round's width plus
+   the chunk) stay within `max_batched_tokens`, and one chunk per step, so a long prompt delays the
+   others' next round by one bounded chunk forward, never by its whole prefill;
 2. runs one decoding round for every running row: each offers its draft, the draft policy picks one draft
    cap K for the batch (0 when speculation does not pay at this batch size and acceptance), one target
    forward verifies [last token, draft] of every row, and each row verifies, rescues (CSD) and emits on its
@@ -12,8 +13,7 @@ explained there). Each `step()`:
 3. drops the rows that finished.
 
 Rows join and leave between steps (continuous batching); `remove()` takes out a cancelled sequence without
-touching the others. Prefill chunks have a fixed size, so a sequence's cache and outputs do not depend on
-what else was running when it joined.
+touching the others.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from service.decoding.engine import Generation
 from service.decoding.models import LoadedModel
 from service.decoding.types import DecodingError, GenerationStep
 
-DEFAULT_MAX_BATCHED_TOKENS = 256
+DEFAULT_MAX_BATCHED_TOKENS = 128
+# A prefill chunk is never smaller than this, so a prompt goes in even beside a batch that fills the budget.
+MIN_PREFILL_CHUNK = 16
 
 
 class Batch:
@@ -55,6 +57,7 @@ class Batch:
         self.joining: collections.deque[tuple[Generation, BatchKV, BatchKV | None]] = collections.deque()
         # per draft model (by drafter name): the draft caches of the running sequences that use it
         self.draft_rows: dict[str, ModelDraftRows] = {}
+        self._round_width = 0  # tokens the last decoding round fed (rows x (1 + draft cap))
 
     # ------------------------------------------------------------------ membership
 
@@ -113,7 +116,10 @@ class Batch:
         if not self.joining:
             return
         generation, own, draft_own = self.joining[0]
-        chunk = generation.prefill_ids[generation.prefilled : generation.prefilled + self.max_batched_tokens]
+        size = self.max_batched_tokens
+        if self.running:  # share the step's token budget with the running rows' round
+            size = max(min(MIN_PREFILL_CHUNK, size), size - max(self._round_width, len(self.running)))
+        chunk = generation.prefill_ids[generation.prefilled : generation.prefilled + size]
         if chunk:
             started = time.perf_counter()
             # logits_to_keep=1 skips the vocabulary projection of the prompt: only its cache is wanted
@@ -139,6 +145,7 @@ class Batch:
         drafts = self._drafts(offers, cap)
         feeds = [g.round_tokens(d) for g, d in zip(self.running, drafts, strict=True)]
         logits = self.kv.forward(feeds)
+        self._round_width = rows * max(len(f) for f in feeds)
         seconds = time.perf_counter() - started
         results: list[tuple[Generation, GenerationStep]] = []
         for row, (generation, draft, fed) in enumerate(zip(self.running, drafts, feeds, strict=True)):

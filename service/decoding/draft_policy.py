@@ -32,6 +32,43 @@ from transformers import DynamicCache
 from service.decoding.kv_cache import crop_cache
 
 
+class ForwardCosts:
+    """Seconds of a target forward by batch rows and tokens per row, interpolated between measured points.
+
+    `by_rows[r]` holds the costs for r rows at 1..len tokens per row. A table with only r = 1 (a plain list
+    of single-row costs) costs r rows of t tokens like one row of r * t tokens, which undercounts what a
+    batch pays for its rows' own contexts; `measure_forward_costs` measures real batch shapes.
+    """
+
+    def __init__(self, by_rows: dict[int, Sequence[float]]) -> None:
+        if not by_rows or 1 not in by_rows:
+            raise ValueError("forward costs need at least the single-row table")
+        self.by_rows = {r: list(c) for r, c in sorted(by_rows.items())}
+
+    @classmethod
+    def single_row(cls, costs: Sequence[float]) -> ForwardCosts:
+        return cls({1: costs})
+
+    def _row_cost(self, costs: list[float], tokens: int) -> float:
+        if tokens <= len(costs):
+            return costs[tokens - 1]
+        # past the measured sizes a forward's cost grows about linearly in its tokens
+        return costs[-1] * tokens / len(costs)
+
+    def __call__(self, rows: int, tokens: int) -> float:
+        if len(self.by_rows) == 1:
+            return self._row_cost(self.by_rows[1], rows * tokens)
+        measured = list(self.by_rows)
+        if rows in self.by_rows:
+            return self._row_cost(self.by_rows[rows], tokens)
+        lower = max((r for r in measured if r < rows), default=measured[0])
+        upper = min((r for r in measured if r > rows), default=None)
+        if upper is None:  # beyond the largest measured batch: linear in rows
+            return self._row_cost(self.by_rows[lower], tokens) * rows / lower
+        lo, hi = self._row_cost(self.by_rows[lower], tokens), self._row_cost(self.by_rows[upper], tokens)
+        return lo + (hi - lo) * (rows - lower) / (upper - lower)
+
+
 @dataclass
 class _Survival:
     """Decayed tallies of 'position i kept given i - 1 kept', i = 1..k."""
@@ -62,24 +99,25 @@ class DraftPolicy:
     """Chooses how many draft tokens to verify; shared by every generation of one engine (thread-safe)."""
 
     def __init__(
-        self, forward_costs: Sequence[float] | None = None, decay: float = 0.98, explore_every: int = 16
+        self,
+        forward_costs: ForwardCosts | Sequence[float] | None = None,
+        decay: float = 0.98,
+        explore_every: int = 16,
     ):
-        # forward_costs[n - 1] = seconds for a target forward over n new tokens (n = 1..); None: all equal,
+        # ForwardCosts, or a list: forward_costs[n - 1] = seconds for one row of n new tokens; None: all equal,
         # which makes drafting look free, the behaviour of a fixed num_speculative_tokens.
-        self.forward_costs = list(forward_costs) if forward_costs else None
+        if forward_costs is not None and not isinstance(forward_costs, ForwardCosts):
+            forward_costs = ForwardCosts.single_row(forward_costs) if len(forward_costs) else None
+        self.forward_costs: ForwardCosts | None = forward_costs
         self.decay = decay
         self.explore_every = explore_every
         self._survival: dict[tuple[str, int], _Survival] = {}
         self._skipped = 0
         self._lock = threading.Lock()
 
-    def _cost(self, n: int) -> float:
-        if not self.forward_costs:
-            return 1.0
-        if n <= len(self.forward_costs):
-            return self.forward_costs[n - 1]
-        # Past the measured sizes a forward's cost grows about linearly in its tokens.
-        return self.forward_costs[-1] * n / len(self.forward_costs)
+    def cost(self, rows: int, tokens: int) -> float | None:
+        """Seconds of a forward over `rows` rows of `tokens` tokens, or None without a cost table."""
+        return self.forward_costs(rows, tokens) if self.forward_costs is not None else None
 
     def choose(self, drafter: str, key: int, draft_len: int) -> int:
         """The draft prefix length to verify for a sequence decoded alone (0: a plain step)."""
@@ -92,7 +130,7 @@ class DraftPolicy:
 
         `drafts` holds (drafter, key, available draft length) per speculating row; `rows` counts every row
         of the batch, speculating or not. The batch's forward is padded to 1 + K tokens per row, so it costs
-        c(rows * (1 + K)) while row r adds 1 + sum_{i<=min(K, len_r)} P_r(first i kept) tokens: K maximises
+        c(rows, 1 + K) while row r adds 1 + sum_{i<=min(K, len_r)} P_r(first i kept) tokens: K maximises
         their ratio, and K = 0 (no speculation at all) wins whenever drafts do not pay for the wider forward,
         which at large batch sizes or low acceptance is the usual case.
         """
@@ -110,10 +148,11 @@ class DraftPolicy:
                 for i in range(min(length, longest)):
                     p_prefix *= survival.rate(i)
                     gain[i + 1] += p_prefix
-            best_len, best_rate, expected = 0, rows / self._cost(rows), float(rows)
+            cost = self.forward_costs
+            best_len, best_rate, expected = 0, rows / cost(rows, 1), float(rows)
             for cap in range(1, longest + 1):
                 expected += gain[cap]
-                rate = expected / self._cost(rows * (1 + cap))
+                rate = expected / cost(rows, 1 + cap)
                 if rate > best_rate:
                     best_len, best_rate = cap, rate
             if best_len == 0:
@@ -130,49 +169,59 @@ class DraftPolicy:
 
 
 def measure_forward_costs(
-    model: torch.nn.Module, max_tokens: int, context: int = 64, repeats: int = 2, dense: int | None = None
-) -> list[float]:
-    """Seconds of a target forward over n = 1..max_tokens new tokens after `context` cached ones (min of
-    `repeats`). Sizes up to `dense` (default: all) are measured one by one, larger ones at doubling sizes and
-    interpolated: a batch of B rows verifying 1 + k tokens each is costed as one forward over B * (1 + k)
-    tokens (the projections dominate; attention over short contexts is a small share). A few seconds on a CPU;
-    run once at start."""
+    model: torch.nn.Module,
+    max_tokens: int,
+    context: int = 128,
+    repeats: int = 2,
+    max_rows: int = 1,
+) -> ForwardCosts:
+    """Seconds of a target forward over `rows` rows of t = 1..max_tokens new tokens after `context` cached
+    ones each (min of `repeats`). One row is measured at every t; batches at doubling row counts up to
+    `max_rows`, at t = 1, 2, 4 and max_tokens (interpolated between). Real batch shapes, so the cost of
+    each row's own context (attention, cache growth) is in the table. A few seconds on a CPU; run once."""
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
-    dense = max_tokens if dense is None else min(dense, max_tokens)
-    sizes = list(range(1, dense + 1))
-    while sizes[-1] < max_tokens:
-        sizes.append(min(sizes[-1] * 2, max_tokens))
     generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, context), generator=generator).to(device)
-    measured: list[float] = []
+    rows_list = [1]
+    while rows_list[-1] < max_rows:
+        rows_list.append(min(rows_list[-1] * 2, max_rows))
+    table: dict[int, list[float]] = {}
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=prefix, cache=cache, logits_to_keep=1)
-        model(input_ids=prefix[:, :1], cache=cache)  # warm-up of the single-token path
-        crop_cache(cache, context)
-        for n in sizes:
-            ids = torch.randint(0, vocab, (1, n), generator=generator).to(device)
-            best = float("inf")
-            for _ in range(repeats):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                started = time.perf_counter()
-                model(input_ids=ids, cache=cache)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                best = min(best, time.perf_counter() - started)
-                crop_cache(cache, context)
-            measured.append(best)
-    # A forward over more tokens never costs less: smooth out measurement noise.
-    for i in range(1, len(measured)):
-        measured[i] = max(measured[i], measured[i - 1])
-    costs: list[float] = []
-    for n in range(1, max_tokens + 1):
-        j = next(i for i, size in enumerate(sizes) if size >= n)
-        if sizes[j] == n:
-            costs.append(measured[j])
-        else:  # between sizes[j - 1] and sizes[j]
-            lo, hi = sizes[j - 1], sizes[j]
-            costs.append(measured[j - 1] + (measured[j] - measured[j - 1]) * (n - lo) / (hi - lo))
-    return costs
+        for rows in rows_list:
+            sizes = (
+                list(range(1, max_tokens + 1))
+                if rows == 1
+                else sorted({1, 2, min(4, max_tokens), max_tokens})
+            )
+            prefix = torch.randint(0, vocab, (rows, context), generator=generator).to(device)
+            cache = DynamicCache(config=model.config)
+            model(input_ids=prefix, cache=cache, logits_to_keep=1)
+            model(input_ids=prefix[:, :1], cache=cache)  # warm-up of the single-token path
+            crop_cache(cache, context)
+            measured: dict[int, float] = {}
+            for n in sizes:
+                ids = torch.randint(0, vocab, (rows, n), generator=generator).to(device)
+                best = float("inf")
+                for _ in range(repeats):
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    started = time.perf_counter()
+                    model(input_ids=ids, cache=cache)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    best = min(best, time.perf_counter() - started)
+                    crop_cache(cache, context)
+                measured[n] = best
+            costs: list[float] = []
+            for n in range(1, max_tokens + 1):
+                if n in measured:
+                    costs.append(measured[n])
+                    continue
+                lo = max(m for m in measured if m < n)
+                hi = min(m for m in measured if m > n)
+                costs.append(measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo))
+            # A forward over more tokens never costs less: smooth out measurement noise.
+            for i in range(1, len(costs)):
+                costs[i] = max(costs[i], costs[i - 1])
+            table[rows] = costs
+    return ForwardCosts(table)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from service.decoding.draft_policy import DraftPolicy, measure_forward_costs
 
 # a CPU-like cost table: any draft token costs a lot, more of them little more
@@ -59,7 +61,19 @@ def test_the_policy_adapts_when_the_workload_changes():
 
 
 def test_measured_costs_are_positive_and_non_decreasing(tiny):
-    costs = measure_forward_costs(tiny.model, 4, context=16, repeats=1)
-    assert len(costs) == 4
-    assert all(c > 0 for c in costs)
-    assert costs == sorted(costs)
+    costs = measure_forward_costs(tiny.model, 4, context=16, repeats=1, max_rows=5)
+    assert sorted(costs.by_rows) == [1, 2, 4, 5]  # doubling row counts, then the maximum
+    for table in costs.by_rows.values():
+        assert len(table) == 4
+        assert all(c > 0 for c in table)
+        assert table == sorted(table)
+    # rows between measured ones interpolate; rows beyond scale linearly
+    assert costs(4, 2) <= costs(3, 2) * 2 and costs(3, 2) >= min(costs(2, 2), costs(4, 2))
+    assert costs(10, 1) == pytest.approx(costs(5, 1) * 2)
+
+
+def test_a_single_row_table_costs_a_batch_as_one_long_row():
+    policy = DraftPolicy([1.0, 1.8, 1.9, 2.0])
+    assert policy.cost(1, 3) == 1.9
+    assert policy.cost(2, 2) == 2.0
+    assert policy.cost(4, 2) == pytest.approx(2.0 * 8 / 4)
