@@ -115,6 +115,8 @@ class ServerProcess:
         )
         if args.torch_threads:
             env["CSD_TORCH_THREADS"] = str(args.torch_threads)
+        if args.max_batched_tokens:
+            env["CSD_MAX_BATCHED_TOKENS"] = str(args.max_batched_tokens)
         env.update(env_overrides)
         self.log_path = workdir / f"{name}.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -366,6 +368,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, help="tokens per request (default 128; --quick 32)")
     p.add_argument("--model", default="embedded")
     p.add_argument("--torch-threads", type=int, help="the servers' torch threads (default: torch's)")
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        help="the servers' CSD_MAX_BATCHED_TOKENS (default: the server's): lower trades TTFT for p99 ITL",
+    )
     p.add_argument("--out", type=Path, help="output folder (default bench/results/load-<timestamp>)")
     args = p.parse_args(argv)
     clients = args.clients or ("1,4,8" if args.quick else "1,2,4,8,16")
@@ -388,6 +395,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    import torch
+
     from bench.machine import describe, one_line
 
     out = args.out or REPO / "bench" / "results" / f"load-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -395,12 +404,17 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts()
     argv_used = sys.argv[1:] if argv is None else argv
     meta = {
-        "machine": one_line(describe()),
+        # describe() reports this process's torch threads; the servers' are what matter here
+        "machine": one_line(describe()).replace(
+            f"({torch.get_num_threads()} threads)",
+            f"(servers: {args.torch_threads or 'default'} torch thread(s))",
+        ),
         "command": f"cd {shlex.quote(str(REPO))} && {shlex.quote(sys.executable)} -m bench.load {shlex.join(argv_used)}".rstrip(),
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "clients": args.clients,
         "configs": args.configs,
+        "max_batched_tokens": args.max_batched_tokens,
     }
     points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="csd-load-") as tmp:
