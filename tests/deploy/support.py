@@ -51,6 +51,7 @@ HISTOGRAMS = {
     "csd_inter_token_latency_seconds",
     "csd_e2e_request_latency_seconds",
     "csd_tokens_per_target_forward",
+    "csd_batch_rows",
 }
 SUMMARIES = {"csd_ocm_flush_seconds"}
 KNOWN_SERIES = (
