@@ -244,10 +244,14 @@ class EngineWorker:
                 continue
             self.on_forward_ok()
             if results:
-                self.metrics.batch_rows.observe(len(results))
+                self.metrics.batch_rows.observe(len(results) + len(self._batch.failed))
             now = time.monotonic()
             by_generation = {id(a.generation): a for a in self._active}
             finished: list[_Active] = []
+            for generation, error in self._batch.failed:  # the batch already dropped them
+                active = by_generation[id(generation)]
+                active.job._deliver(ErrorEvent(_generation_error(error)))
+                finished.append(active)
             for generation, step in results:
                 active = by_generation[id(generation)]
                 try:
@@ -388,6 +392,12 @@ def _stopped(reason: str) -> APIError:
     if reason == "shutdown":
         return APIError(503, "the server is shutting down", type=UNAVAILABLE, code="shutting_down")
     return APIError(CLIENT_CLOSED_REQUEST, f"generation stopped: {reason}", code="cancelled")
+
+
+def _generation_error(error: Exception) -> APIError:
+    if isinstance(error, DecodingError):
+        return APIError(400, str(error), code="invalid_value")
+    return _engine_failure()
 
 
 def _engine_failure() -> APIError:

@@ -19,6 +19,7 @@ touching the others.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 
 import torch
@@ -29,6 +30,8 @@ from service.decoding.drafters import Draft, ModelDraftRows
 from service.decoding.engine import Generation
 from service.decoding.models import LoadedModel
 from service.decoding.types import DecodingError, GenerationStep
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCHED_TOKENS = 128
 # A prefill chunk is never smaller than this, so a prompt goes in even beside a batch that fills the budget.
@@ -58,6 +61,9 @@ class Batch:
         # per draft model (by drafter name): the draft caches of the running sequences that use it
         self.draft_rows: dict[str, ModelDraftRows] = {}
         self._round_width = 0  # tokens the last decoding round fed (rows x (1 + draft cap))
+        # sequences the last step took out because their own verification or emission raised: the others
+        # in the batch carry on; whoever drives the batch reports these
+        self.failed: list[tuple[Generation, Exception]] = []
 
     # ------------------------------------------------------------------ membership
 
@@ -106,6 +112,7 @@ class Batch:
 
     def step(self) -> list[tuple[Generation, GenerationStep]]:
         """One prefill chunk (if a sequence is joining) and one decoding round (if any is running)."""
+        self.failed = []
         with torch.inference_mode():
             self._prefill_chunk()
             if not self.running:
@@ -149,11 +156,18 @@ class Batch:
         seconds = time.perf_counter() - started
         results: list[tuple[Generation, GenerationStep]] = []
         for row, (generation, draft, fed) in enumerate(zip(self.running, drafts, feeds, strict=True)):
-            step, kept = generation.absorb(draft, logits[row, : len(fed)].float(), seconds)
+            try:
+                step, kept = generation.absorb(draft, logits[row, : len(fed)].float(), seconds)
+            except Exception as exc:  # one sequence's failure is its own: the batch goes on without it
+                log.exception("a sequence failed in its verification; dropping it from the batch")
+                self.failed.append((generation, exc))
+                continue
             # the cache now holds the row's committed tokens but the last, plus everything fed this round
             self.kv.keep(row, self.kv.length(row) - len(fed) + kept)
             results.append((generation, step))
         self.kv.settle()
+        for generation, _ in self.failed:
+            self.remove(generation)
         for generation in [g for g in self.running if g.finish_reason is not None]:
             self.remove(generation)
         return results

@@ -128,6 +128,9 @@ class Generation:
                 for generation, step in batch.step():
                     if generation is self:
                         yield step
+                for generation, error in batch.failed:
+                    if generation is self:
+                        raise error
         finally:
             batch.remove(self)
 

@@ -265,3 +265,35 @@ def test_draft_model_rows_draft_together_and_stay_right(embedded, prompt_ids, al
     # draft forwards really carried several rows at once (the same model serves as target and drafter,
     # so the hook sees both; rows > 1 appear only in batched forwards)
     assert max(draft_forwards) >= 2
+
+
+def test_a_sequence_that_fails_leaves_the_batch_alone(embedded, prompt_ids, alone):
+    """A fault no real input triggers (named fake): one row's verification raises mid-generation. That row
+    is dropped and reported in `Batch.failed`; the other rows finish with their alone outputs."""
+    gens = fresh(embedded, prompt_ids)
+    broken = gens[1]
+    calls = {"n": 0}
+    real_verify = broken._verify
+
+    def fake_failing_verify(*args, **kwargs):  # a fake: fails on its third round
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected verification fault")
+        return real_verify(*args, **kwargs)
+
+    broken._verify = fake_failing_verify
+    batch = Batch(embedded, max_batch_size=4, max_batched_tokens=CHUNK)
+    for g in gens:
+        batch.add(g)
+    failed = []
+    while len(batch):
+        batch.step()
+        failed += batch.failed
+    assert [(g, str(e)) for g, e in failed] == [(broken, "injected verification fault")]
+    assert broken not in batch.running
+    check_same(embedded, prompt_ids, gens, alone, skip={1})
+    # alone, the same fault surfaces to whoever iterates the generation
+    lone = fresh(embedded, prompt_ids)[1]
+    lone._verify = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
+    with pytest.raises(RuntimeError, match="injected"):
+        list(lone)
