@@ -24,6 +24,7 @@ from service.decoding import (
     load_model,
     vocabulary_hash,
 )
+from service.decoding.batch_kv import supports_batching
 from service.decoding.draft_policy import measure_forward_costs
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,15 @@ class Runtime:
         target_id = f"{target.name}@{target.revision}"
         namespaces = {name: Namespace(target_id, d.identity, vocab) for name, d in drafters.items()}
         memories = {name: store.memory(ns) for name, ns in namespaces.items()}
+        if settings.max_batch_size > 1 and not all(
+            supports_batching(m.model) for m in (target, draft) if m is not None
+        ):
+            log.warning(
+                "%s has sliding-window attention layers, which the batched KV layout cannot hold: serving "
+                "one generation at a time (CSD_MAX_BATCH_SIZE=1)",
+                settings.model,
+            )
+            settings = settings.model_copy(update={"max_batch_size": 1})
         policy = None
         if settings.adaptive_speculation and settings.num_speculative_tokens > 0:
             # Real batch shapes up to the largest batch: one row at every draft length, batches at doubling

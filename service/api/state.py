@@ -95,7 +95,7 @@ class ServiceState:
             self.metrics,
             settings.max_queue,
             self._forward_ok,
-            max_batch_size=settings.max_batch_size,
+            max_batch_size=runtime.settings.max_batch_size,  # 1 when the model cannot be batched
             max_batched_tokens=settings.max_batched_tokens,
         )
         self.worker.start()

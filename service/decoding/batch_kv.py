@@ -38,6 +38,13 @@ _COMPACT_DEAD_SHARE = 0.5
 _COMPACT_MIN_SLOTS = 64
 
 
+def supports_batching(model: torch.nn.Module) -> bool:
+    """Whether this layout can batch the model: every cache layer must be full attention (sliding-window
+    layers keep a rolling window that slot masks cannot address). Such models still decode one at a time."""
+    layers = getattr(DynamicCache(config=model.config), "layers", None)
+    return bool(layers) and not any(getattr(layer, "is_sliding", False) for layer in layers)
+
+
 class BatchKV:
     def __init__(self, model: torch.nn.Module, device: torch.device, rows: int = 0) -> None:
         self.model = model

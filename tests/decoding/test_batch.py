@@ -297,3 +297,43 @@ def test_a_sequence_that_fails_leaves_the_batch_alone(embedded, prompt_ids, alon
     lone._verify = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
     with pytest.raises(RuntimeError, match="injected"):
         list(lone)
+
+
+def test_one_token_prompts_join_a_running_batch(embedded, prompt_ids):
+    """A one-token prompt has nothing to prefill (no cache yet): it joins rows that have caches, and a
+    batch made of such rows grows its first cache in a shared forward."""
+    bos = [prompt_ids[0][0]]
+    runs = []
+    for join in ({0: ["long", "one"]}, {0: ["one", "one2"]}, {0: ["long"], 2: ["one"]}):
+        made = {
+            "long": make_generation(embedded, prompt_ids[0], "sd"),
+            "one": make_generation(embedded, bos, "vanilla"),
+            "one2": make_generation(embedded, bos, "sd"),
+        }
+        batch = Batch(embedded, max_batch_size=4, max_batched_tokens=CHUNK)
+        run_batch(batch, {step: [made[name] for name in names] for step, names in join.items()})
+        runs.append({name: made[name] for names in join.values() for name in names})
+    lone = make_generation(embedded, bos, "vanilla")
+    list(lone)
+    assert lone.tokens
+    for made in runs:
+        for name in ("one", "one2"):
+            if name in made:
+                assert [t.token_id for t in made[name].tokens] == [t.token_id for t in lone.tokens], name
+
+
+def test_models_with_sliding_window_layers_are_not_batched(embedded):
+    """Their caches keep a rolling window that slot masks cannot address: the runtime serves them one at
+    a time (and says so in the log); full-attention models batch."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from service.decoding.batch_kv import supports_batching
+
+    tiny_mistral = MistralForCausalLM(
+        MistralConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=100, sliding_window=8,
+        )
+    )  # fmt: skip
+    assert not supports_batching(tiny_mistral)
+    assert supports_batching(embedded.model)
