@@ -61,25 +61,22 @@ async def stream_text(
 
 
 def test_concurrent_requests_get_their_alone_answers_and_share_forwards(client, api_server: Server) -> None:
-    async def scenario() -> tuple[list[str], list[str]]:
+    async def scenario():
         alone = [await stream_text(client, p, m) for p, m in REQUESTS]
+        before = await asyncio.to_thread(api_server.metrics)
         together = await asyncio.gather(
             *(stream_text(client, p, m) for p, m in REQUESTS),
             # a csd request and one that hangs up after two chunks run in the same batch
             stream_text(client, REQUESTS[0][0], "csd"),
             stream_text(client, REQUESTS[2][0], "sd", stop_after=2),
         )
-        return alone, list(together)
+        return alone, before, list(together), await asyncio.to_thread(api_server.metrics)
 
-    before = api_server.metrics()
-    alone, together = asyncio.run(scenario())
-    after = api_server.metrics()
+    alone, before, together, after = asyncio.run(scenario())
     assert all(alone), alone
     assert together[: len(REQUESTS)] == alone
     assert together[len(REQUESTS)]  # the csd row finished with text
-    # forwards were shared: some batched forward carried more than one row
+    # forwards were shared: batched forwards carried several rows on average while the seven ran
     forwards = after.value("csd_batch_rows_count") - before.value("csd_batch_rows_count")
-    single = after.value("csd_batch_rows_bucket", le="1.0") - before.value("csd_batch_rows_bucket", le="1.0")
-    assert forwards > 0 and single < forwards, (forwards, single)
     rows = after.value("csd_batch_rows_sum") - before.value("csd_batch_rows_sum")
-    assert rows / forwards > 1.5
+    assert forwards > 0 and rows / forwards > 1.5, (rows, forwards)  # about 3 measured here
