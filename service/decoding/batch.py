@@ -93,13 +93,18 @@ class Batch:
             if joining is generation:
                 del self.joining[i]
                 return
-        for row, running in enumerate(self.running):
-            if running is generation:
-                del self.running[row]
-                self.kv.remove([row])
-                for rows in self.draft_rows.values():
-                    rows.leave(generation)
-                return
+        self._drop_running([generation])
+
+    def _drop_running(self, generations: list[Generation]) -> None:
+        """Running sequences out, with one copy of the cache however many leave."""
+        rows = [row for row, g in enumerate(self.running) if any(g is x for x in generations)]
+        if not rows:
+            return
+        self.running = [g for row, g in enumerate(self.running) if row not in rows]
+        self.kv.remove(rows)
+        for generation in generations:
+            for draft_rows in self.draft_rows.values():
+                draft_rows.leave(generation)
 
     def clear(self) -> None:
         """Drop every sequence (after a failed forward the caches cannot be trusted)."""
@@ -166,10 +171,8 @@ class Batch:
             self.kv.keep(row, self.kv.length(row) - len(fed) + kept)
             results.append((generation, step))
         self.kv.settle()
-        for generation, _ in self.failed:
-            self.remove(generation)
-        for generation in [g for g in self.running if g.finish_reason is not None]:
-            self.remove(generation)
+        done = [g for g, _ in self.failed] + [g for g in self.running if g.finish_reason is not None]
+        self._drop_running(done)
         return results
 
     def _drafts(self, offers: list, cap: int) -> list[Draft]:

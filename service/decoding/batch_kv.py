@@ -170,7 +170,7 @@ class BatchKV:
             for layer in self._layers():
                 pad = layer.keys.new_zeros((*layer.keys.shape[:2], n, layer.keys.shape[3]))
                 layer.keys = torch.cat([pad, layer.keys], dim=2)
-                layer.values = torch.cat([pad.clone(), layer.values], dim=2)
+                layer.values = torch.cat([pad, layer.values], dim=2)
         else:
             # No tensors yet (prompts of one token): the first forward creates them at full width. Give the
             # layers the padding now so slots and tensors agree.

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from service.decoding.batch_kv import BatchKV
 from service.decoding.models import LoadedModel
 from service.decoding.types import DecodingError, SamplingParams
 from service.decoding.verification import sampling_probs
@@ -30,6 +31,9 @@ class Draft:
 
 
 class DrafterSession(Protocol):
+    """A cheap drafter's per-sequence state. (A draft model's session only carries the sequence's sampling
+    settings: the batch drafts for all its rows at once through `ModelDraftRows`.)"""
+
     def propose(self, committed: Sequence[int], k: int) -> Draft:
         """Up to k tokens to follow `committed` (which only ever grows by what the target kept)."""
         ...
@@ -46,7 +50,9 @@ class Drafter(Protocol):
         """What the OCM namespace calls this drafter: the draft model's id, or "ngram"."""
         ...
 
-    def start(self, sampling: SamplingParams, generator: torch.Generator | None) -> DrafterSession: ...
+    def start(
+        self, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> DrafterSession | ModelDraftSession: ...
 
 
 # ---------------------------------------------------------------- n-gram (prompt lookup)
@@ -134,9 +140,6 @@ class ModelDraftSession:
         self.sampling = sampling
         self.generator = generator
 
-    def propose(self, committed: Sequence[int], k: int) -> Draft:
-        raise DecodingError("a draft model proposes through its batch (ModelDraftRows), not per sequence")
-
 
 class ModelDraftRows:
     """The draft model's KV cache for the sequences of one batch that draft with it, one row each.
@@ -150,20 +153,16 @@ class ModelDraftRows:
     """
 
     def __init__(self, draft: LoadedModel) -> None:
-        from service.decoding.batch_kv import BatchKV  # batch_kv is a sibling; imported here for clarity
-
         self.draft = draft
         self.kv = BatchKV(draft.model, draft.device)
         self.keys: list[object] = []  # row -> the sequence it drafts for
         self.cached: list[list[int]] = []  # row -> token ids whose keys/values are live in self.kv
 
-    def new_row(self):  # -> BatchKV
+    def new_row(self) -> BatchKV:
         """A one-row cache to prefill a joining sequence's prompt into (then `join`)."""
-        from service.decoding.batch_kv import BatchKV
-
         return BatchKV(self.draft.model, self.draft.device, rows=1)
 
-    def join(self, key: object, own, prefilled: Sequence[int]) -> None:
+    def join(self, key: object, own: BatchKV, prefilled: Sequence[int]) -> None:
         self.kv.add(own)
         self.keys.append(key)
         self.cached.append(list(prefilled))
@@ -178,7 +177,8 @@ class ModelDraftRows:
     def propose(
         self, wanted: dict[object, tuple[Sequence[int], int, ModelDraftSession]]
     ) -> dict[object, Draft]:
-        """Drafts for the rows in `wanted` (key -> (committed, k, session)); other rows only catch up."""
+        """Drafts for the rows in `wanted` (key -> (committed, k >= 1, session)); the other rows sit the
+        round out (they catch up the next time they draft)."""
         if not wanted or not self.keys:
             return {}
         feeds: list[list[int]] = []
@@ -203,10 +203,8 @@ class ModelDraftRows:
             next_feeds: list[list[int]] = []
             for row, key in enumerate(self.keys):
                 fed = feeds[row]
-                if key not in wanted or i >= wanted[key][1]:
-                    self.kv.keep(row, bases[row] + (len(fed) if key in wanted and i == 0 else 0))
-                    if key in wanted and i == 0:
-                        self.cached[row].extend(fed)
+                if key not in wanted or i >= wanted[key][1]:  # this row fed a dummy: drop it again
+                    self.kv.keep(row, bases[row])
                     next_feeds.append([self.cached[row][-1] if self.cached[row] else 0])
                     continue
                 self.cached[row].extend(fed)

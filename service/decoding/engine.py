@@ -180,7 +180,7 @@ class Generation:
         verdict = self._verify(draft.tokens, draft.probs, logits)
         if draft.tokens:
             self.policy.observe(self.drafter.name, draft.key, len(draft.tokens), verdict.round.num_kept)
-        step = self._emit(verdict, self.committed, self.detok, self.stops)
+        step = self._emit(verdict)
         self.stats.add_round(verdict.round)
         self.stats.decode_seconds += seconds
         return step, 1 + verdict.round.num_kept
@@ -206,14 +206,9 @@ class Generation:
             self.rescue,
         )
 
-    def _emit(
-        self,
-        verdict: Verdict,
-        committed: list[int],
-        detok: IncrementalDetokenizer,
-        stops: StopMatcher,
-    ) -> GenerationStep:
+    def _emit(self, verdict: Verdict) -> GenerationStep:
         """Apply EOS, the token budget and stop strings to a round's tokens; extend the sequence."""
+        committed, detok, stops = self.committed, self.detok, self.stops
         emitted: list[EmittedToken] = []
         text = ""
         for token in verdict.tokens:
