@@ -13,7 +13,7 @@ Configurations: `one-at-a-time` (CSD_MAX_BATCH_SIZE=1, speculation as configured
 16 clients is in the same run. Goals (issue 6): at 8 clients `batched` >= 2.5x the aggregate tokens/s of
 `one-at-a-time`, with p99 ITL no worse than 2x its own single-client p99 ITL.
 
-    python -m bench.load                                    # N = 1, 2, 4, 8, 16; ~10-15 min on 2 cores
+    python -m bench.load                                    # N = 1, 2, 4, 8, 16; ~6 min on 2 cores
     python -m bench.load --quick                            # N = 1, 4, 8, short outputs: a few minutes
     python -m bench.load --clients 1,8 --max-tokens 32 --configs batched,one-at-a-time
 
@@ -273,9 +273,9 @@ def judge(points: list[Point]) -> list[dict]:
     for goal, top, bottom, metric, met, unit in GOALS:
         a, b = by.get(top), by.get(bottom)
         x, y = (getattr(a, metric), getattr(b, metric)) if a and b else (None, None)
-        if not x or not y:
+        if x is None or not y:  # not measured (a missing point, or nothing to divide by)
             continue
-        ratio = x / y
+        ratio = x / y  # a config that served nothing shows as 0.00x, not met
         shown = f"{x * 1e3:.0f} vs {y * 1e3:.0f} ms" if unit == "ms" else f"{x:.1f} vs {y:.1f} tok/s"
         goals.append({"goal": goal, "measured": f"{ratio:.2f}x ({shown})", "met": met(ratio)})
     return goals
@@ -376,8 +376,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         p.error(f"unknown config {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
-    args.requests = args.requests or (1 if args.quick else 2)
-    args.max_tokens = args.max_tokens or (32 if args.quick else 128)
+    if args.requests is None:
+        args.requests = 1 if args.quick else 2
+    if args.max_tokens is None:
+        args.max_tokens = 32 if args.quick else 128
     if args.requests < 1 or args.max_tokens < 1:
         p.error("--requests and --max-tokens must be positive")
     return args

@@ -44,17 +44,18 @@ def forward_cost(bench: Bench, prompt_ids: list[int], sizes: list[int], repeats:
 def lm_head_cost(bench: Bench, sizes: list[int], repeats: int) -> dict[int, float]:
     """Median seconds of the target's vocabulary projection alone for n rows: the largest single matmul of a
     forward, and the plainest view of how the matmul kernel's cost grows from one row (decoding) to k + 1
-    rows (verification)."""
-    weight = bench.target.model.get_output_embeddings().weight  # [V, H]
+    rows (verification). Times the model's own output layer, so whatever kernel serves (oneDNN-packed on
+    an fp32 CPU) is what is measured."""
+    head = bench.target.model.get_output_embeddings()
+    hidden = bench.target.model.config.hidden_size
+    device = bench.target.device
     times: dict[int, list[float]] = {n: [] for n in sizes}
     with torch.inference_mode():
-        rows = {
-            n: torch.randn(1, n, weight.shape[1], dtype=weight.dtype, device=weight.device) for n in sizes
-        }
+        rows = {n: torch.randn(1, n, hidden, device=device) for n in sizes}
         for _ in range(repeats):
             for n in sizes:
                 started = time.perf_counter()
-                torch.nn.functional.linear(rows[n], weight)
+                head(rows[n])
                 times[n].append(time.perf_counter() - started)
     return {n: statistics.median(t) for n, t in times.items()}
 

@@ -227,13 +227,12 @@ class InMemoryStore(OCMStore):
             self._loaded = self._load()
             if not self._loaded:
                 return  # never overwrite counts we could not read
-        with self._lock:
+        with self._lock:  # the engine thread records under this lock: copy only, build the rows outside it
             if not self._dirty:
                 return
-            snapshot = [
-                (ns.key, d, t, c) for ns, counter in self._counts.items() for (d, t), c in counter.items()
-            ]
+            copies = [(ns.key, dict(counter)) for ns, counter in self._counts.items()]
             self._dirty = False
+        snapshot = [(key, d, t, c) for key, counter in copies for (d, t), c in counter.items()]
         started = time.perf_counter()
         try:
             with closing(self._connect()) as conn, conn:  # one transaction: readers never see half a save

@@ -122,9 +122,8 @@ def _sampling(
         raise bad_request(str(exc)) from None
 
 
-def _max_tokens(requested: int | None, prompt_len: int, settings: Settings, context: int) -> int:
+def _max_tokens(requested: int | None, param: str, prompt_len: int, settings: Settings, context: int) -> int:
     """The token budget: the request's (within the cap and the context), or the default clipped to fit."""
-    param = "max_tokens"
     if prompt_len >= context:
         raise APIError(
             400,
@@ -155,13 +154,8 @@ def check_request(
     check_model(body.model, runtime)
     if any(not s for s in body.stop_list):
         raise bad_request("stop strings must not be empty", param="stop")
-    requested = body.requested_max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    requested, param = body.requested_max_tokens, body.max_tokens_param
     if requested is not None and requested > settings.max_tokens_cap:
-        param = (
-            "max_completion_tokens"
-            if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None
-            else "max_tokens"
-        )
         raise APIError(
             400,
             f"{param} is {requested}, above this server's limit of {settings.max_tokens_cap}",
@@ -176,7 +170,7 @@ async def plan_completion(body: CompletionRequest, settings: Settings, runtime: 
     spec, drafter = speculative_config(settings, body.speculative, runtime)
     # Tokenising a long prompt takes a while: off the event loop.
     ids = await run_in_threadpool(encode_prompt, runtime.target.tokenizer, prompt)
-    return _plan(body, body.max_tokens, ids, spec, drafter, settings, runtime)
+    return _plan(body, ids, spec, drafter, settings, runtime)
 
 
 async def plan_chat(body: ChatCompletionRequest, settings: Settings, runtime: Runtime) -> GenerationPlan:
@@ -187,12 +181,11 @@ async def plan_chat(body: ChatCompletionRequest, settings: Settings, runtime: Ru
         ids = await run_in_threadpool(_encode_chat, runtime, messages)
     except DecodingError as exc:
         raise bad_request(str(exc), param="messages") from None
-    return _plan(body, body.requested_max_tokens, ids, spec, drafter, settings, runtime)
+    return _plan(body, ids, spec, drafter, settings, runtime)
 
 
 def _plan(
     body: CompletionRequest | ChatCompletionRequest,
-    requested: int | None,
     ids: list[int],
     spec: SpeculativeConfig,
     drafter: str,
@@ -201,7 +194,9 @@ def _plan(
 ) -> GenerationPlan:
     if not ids:
         raise bad_request("the prompt encodes to no tokens", param="prompt")
-    max_tokens = _max_tokens(requested, len(ids), settings, runtime.target.max_context)
+    max_tokens = _max_tokens(
+        body.requested_max_tokens, body.max_tokens_param, len(ids), settings, runtime.target.max_context
+    )
     return GenerationPlan(
         prompt_ids=ids,
         sampling=_sampling(body, settings, max_tokens),

@@ -88,6 +88,16 @@ class _GenerationRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The token budget the request asks for (chat requests may name it max_completion_tokens)."""
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field an error about the budget names."""
+        return "max_tokens"
+
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
@@ -181,6 +191,10 @@ class ChatCompletionRequest(_GenerationRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 # ---------------------------------------------------------------- responses

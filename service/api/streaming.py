@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
-from service.api.errors import CLIENT_CLOSED_REQUEST, RATE_LIMIT, APIError, sse_error_event
+from service.api.errors import CLIENT_CLOSED_REQUEST, RATE_LIMIT, SERVER, APIError, sse_error_event
 from service.api.responses import Formatter, provenance_tokens
 from service.api.state import ServiceState
 from service.api.worker import (
@@ -153,6 +154,19 @@ async def _stream(worker: EngineWorker, job: Job, formatter: Formatter, first: E
         finished = True
         worker.cancel(job, "failed")
         yield sse_error_event(error)
+        yield DONE
+    except Exception:  # a bug while formatting a chunk: the stream still ends with an error event, not a cut
+        logging.getLogger(__name__).exception("a stream failed after it began")
+        finished = True
+        worker.cancel(job, "failed")
+        yield sse_error_event(
+            APIError(
+                500,
+                "the stream failed on the server (details in the server log)",
+                type=SERVER,
+                code="internal_error",
+            )
+        )
         yield DONE
     finally:
         # The client went away (Starlette cancels this generator when it hears the disconnect).

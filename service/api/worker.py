@@ -342,12 +342,13 @@ class EngineWorker:
         token_texts = None
         if plan.return_provenance:
             tokenizer = self.engine.target.tokenizer
+            # one tokenizer call per round for all its tokens (and the draft tokens they replaced)
+            texts = tokenizer.batch_decode([[t.token_id] for t in step.tokens])
+            replaced = [t for t in step.tokens if t.replaced_token_id is not None]
+            replaced_texts = iter(tokenizer.batch_decode([[t.replaced_token_id] for t in replaced]))
             token_texts = [
-                (
-                    tokenizer.decode([t.token_id]),
-                    None if t.replaced_token_id is None else tokenizer.decode([t.replaced_token_id]),
-                )
-                for t in step.tokens
+                (text, None if t.replaced_token_id is None else next(replaced_texts))
+                for t, text in zip(step.tokens, texts, strict=True)
             ]
         job._deliver(
             StepEvent(

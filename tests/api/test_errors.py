@@ -144,3 +144,13 @@ def test_errors_are_counted_by_status(api_server: Server) -> None:
     for endpoint, status in (("unmatched", "404"), ("/v1/completions", "413")):
         key = {"endpoint": endpoint, "status_code": status}
         assert after.value("csd_requests_total", **key) - before.value("csd_requests_total", **key) == 1, key
+
+
+def test_chat_max_completion_tokens_beyond_the_context_names_that_field(api_server: Server) -> None:
+    messages = [{"role": "user", "content": "hello " * 8150}]
+    with api_server.client() as http:
+        response = http.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_completion_tokens": 64}
+        )
+    error = assert_openai_error(response, 400, param="max_completion_tokens", code="context_length_exceeded")
+    assert "max_completion_tokens asks for 64" in error["message"]

@@ -60,6 +60,10 @@ def test_bench_end_to_end(tmp_path):
             assert row["tokens"] > 0 and row["tokens_per_second"] > 0
     grounded = report["workloads"]["grounded"]["methods"]
     assert grounded["vanilla"]["speedup"] == pytest.approx(1.0)
+    # speedup is each method's tok/s over vanilla's on the same prompts
+    assert grounded["sd"]["speedup"] == pytest.approx(
+        grounded["sd"]["tokens_per_second"] / grounded["vanilla"]["tokens_per_second"]
+    )
     assert grounded["vanilla"]["tokens_per_forward"] == pytest.approx(1.0)
     assert report["workloads"]["humaneval"]["methods"]["csd"]["task_metric"] == "pass@1"
     assert report["workloads"]["qa"]["methods"]["csd"]["task_metric"] == "accuracy"
@@ -69,9 +73,15 @@ def test_bench_end_to_end(tmp_path):
     assert report["calibration"]["drafters"]["ngram"]["prompts"] == 2
     assert len(report["sweep"]["points"]) == 2
     assert len(report["replay"]["requests"]) == 2
-    assert {g["status"] for g in report["goals"]} <= {"met", "missed", "not measured"}
     assert len(report["goals"]) == 10
-    assert report["meta"]["machine"]["torch_threads"] >= 1
+    goals = {g["goal"]: g["status"] for g in report["goals"]}
+    lossless = next(status for goal, status in goals.items() if goal.startswith("sd output identical"))
+    assert lossless == "met"  # the lossless check above passed, so its goal must say so
+    # every goal this run has the data for is judged, not left "not measured"
+    assert all(
+        status != "not measured" for goal, status in goals.items() if "similarity" in goal or "OCM" in goal
+    )
+    assert report["meta"]["machine"]["torch_threads"] == 1  # --threads 1
     lines = (out / "outputs.jsonl").read_text().splitlines()
     assert len(lines) == 3 * len(METHODS)
 

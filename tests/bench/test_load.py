@@ -60,6 +60,11 @@ def test_goals_are_judged_from_the_measured_points():
     assert "| batched | 8 | 110.0 | 2.75x |" in text
     # a goal whose points were not measured is left out, not guessed
     assert judge([point("batched", 8, 1.0, 0.1)]) == []
+    # within 5 % counts as "not slower"; a config that served nothing is shown, as not met
+    level = judge([point("batched", 16, 98.0, 0.2), point("batched-nospec", 16, 100.0, 0.2)])
+    assert [g["met"] for g in level] == [True]
+    dead = judge([point("batched", 8, 0.0, 0.1), point("one-at-a-time", 8, 40.0, 0.06)])
+    assert [(g["met"], g["measured"][:5]) for g in dead] == [(False, "0.00x")]
 
 
 def test_percentile_and_arguments():
@@ -68,7 +73,9 @@ def test_percentile_and_arguments():
     assert percentile(list(range(101)), 99) == 99
     args = parse_args(["--quick"])
     assert args.clients == [1, 4, 8] and args.max_tokens == 32 and args.requests == 1
-    for bad in (["--clients", "1,x"], ["--clients", "0"], ["--configs", "nope"], ["--max-tokens", "-1"]):
+    for bad in (
+        ["--clients", "1,x"], ["--clients", "0"], ["--configs", "nope"], ["--max-tokens", "0"], ["--requests", "0"],
+    ):  # fmt: skip
         try:
             parse_args(bad)
         except SystemExit as exc:
