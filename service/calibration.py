@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from service.decoding.engine import Engine
+from service.decoding.engine import Engine, run_alone
 from service.decoding.text import encode_chat, encode_prompt
 from service.decoding.types import Method, SamplingParams, SpeculativeConfig
 
@@ -53,7 +53,7 @@ def calibrate(
         generation = engine.generate(
             encode_item(engine.target.tokenizer, item), sampling, spec, drafter=drafter, record_strict=True
         )
-        for _ in generation:
+        for _ in run_alone(generation):
             pass
         result.prompts += 1
         result.divergences += generation.stats.num_recovered

@@ -37,6 +37,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models (default from CSD_* environment variables)")
     g.add_argument("--model", help="target: 'embedded' (default), hub id, folder or .gguf file")
     g.add_argument("--draft-model", help="draft model for --drafter model")
+    g.add_argument(
+        "--draft-head", help="weights of the 'head' drafter: 'embedded' (default), a folder, or '' to disable"
+    )
     g.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", help="cpu | cuda | cuda:N | auto")
     g.add_argument("--cache-dir", type=Path, help="where converted GGUF weights and the OCM file live")
@@ -47,7 +50,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 def _add_speculation_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--method", choices=[m.value for m in Method])
-    g.add_argument("--drafter", choices=["ngram", "model"])
+    g.add_argument(
+        "--drafter",
+        choices=["ngram", "head", "combined", "model"],
+        help="default: combined (prompt lookup, else the trained head) on the embedded model, else ngram",
+    )
     g.add_argument("--num-speculative-tokens", type=int)
     g.add_argument("--tau", type=float, help="semantic gate: p(draft)/p(target top) >= tau, in (0, 1]")
     g.add_argument("--lambda", dest="lambda_", type=float, help="frequency gate: rescue when count > lambda")
@@ -56,7 +63,7 @@ def _add_speculation_options(p: argparse.ArgumentParser) -> None:
 
 
 _SETTING_FLAGS = (
-    "model", "draft_model", "dtype", "device", "cache_dir", "redis_url", "ocm_path", "method", "drafter",
+    "model", "draft_model", "draft_head", "dtype", "device", "cache_dir", "redis_url", "ocm_path", "method", "drafter",
     "num_speculative_tokens", "tau", "lambda_", "ngram_min", "ngram_max", "host", "port", "api_keys",
     "served_model_name", "torch_threads", "max_queue", "max_batch_size", "max_batched_tokens", "max_tokens_cap", "default_max_tokens",
     "default_temperature", "request_timeout_s", "max_body_bytes", "shutdown_grace_s",
@@ -135,6 +142,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = _sampling_from_args(args, settings)  # validate before the slow model load
     spec = settings.speculative_config()
     runtime = _build_runtime(args)
+    from service.decoding import run_alone
     from service.decoding.text import encode_chat, encode_prompt
 
     try:
@@ -147,7 +155,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             ids = encode_prompt(tok, prompt)
         generation = runtime.engine.generate(ids, sampling, spec, drafter=settings.drafter)
-        for step in generation:
+        for step in run_alone(generation):
             if not args.json and step.text:
                 sys.stdout.write(step.text)
                 sys.stdout.flush()
@@ -182,7 +190,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print()
             print(
                 f"[{spec.method.value}] {stats['completion_tokens']} tokens, {stats['tokens_per_second']} tokens/s, "
-                f"{stats['mean_accepted_length']} tokens per target forward, "
+                f"{stats['tokens_per_forward']} tokens per target forward, "
                 f"acceptance {stats['acceptance_rate']:.1%}, rescue {stats['rescue_rate']:.1%} "
                 f"(accepted {stats['accepted_tokens']}, rescued {stats['rescued_tokens']}, "
                 f"drafted {stats['draft_tokens']}), finish: {generation.finish_reason}",

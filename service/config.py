@@ -21,6 +21,11 @@ class Settings(BaseSettings):
     model: str = Field("embedded", description="target: 'embedded', a hub id, a folder, or a .gguf file")
     served_model_name: str | None = Field(None, description="model id shown by the API (default: the model)")
     draft_model: str | None = Field(None, description="draft model for the 'model' drafter")
+    draft_head: str | None = Field(
+        "embedded",
+        description="weights of the 'head' drafter: 'embedded' (trained for the embedded model, used when the "
+        "target is it), a folder, or empty to disable",
+    )
     dtype: str = "auto"
     device: str = "cpu"
     cache_dir: Path = Field(default_factory=default_cache_dir)
@@ -31,11 +36,15 @@ class Settings(BaseSettings):
 
     # ---- speculation defaults (a request may override them)
     method: Method = Method.CSD
-    drafter: Literal["ngram", "model"] = "ngram"
+    # default: 'combined' (prompt lookup, else the trained head) on the embedded model, 'ngram' elsewhere
+    drafter: Literal["ngram", "head", "combined", "model"] | None = None
     num_speculative_tokens: int = Field(6, ge=0, le=64)
     tau: float = Field(0.01, gt=0, le=1)
     lambda_: float = Field(6, ge=0, validation_alias=AliasChoices("lambda", "CSD_LAMBDA"))
     lossy_threshold: float = Field(0.6, gt=0, le=1)
+    guard_facts: bool = Field(
+        True, description="csd never rescues numbers, negations or names (service/decoding/fact_guard.py)"
+    )
     adaptive_speculation: bool = Field(
         True, description="verify only as much of a draft as pays for itself (measured forward costs)"
     )
@@ -95,6 +104,10 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must not exceed ngram_max")
+        if self.drafter is None:
+            self.drafter = "combined" if self.embedded_head_applies else "ngram"
+        if self.drafter in ("head", "combined") and not self.draft_head:
+            raise ValueError(f"drafter {self.drafter!r} needs draft_head (CSD_DRAFT_HEAD or --draft-head)")
         if self.drafter == "model" and not self.draft_model:
             raise ValueError("drafter 'model' needs draft_model (CSD_DRAFT_MODEL or --draft-model)")
         if self.max_batched_tokens < self.max_batch_size:
@@ -102,6 +115,11 @@ class Settings(BaseSettings):
         if self.default_max_tokens > self.max_tokens_cap:
             self.default_max_tokens = self.max_tokens_cap
         return self
+
+    @property
+    def embedded_head_applies(self) -> bool:
+        """The shipped head is for the embedded model: other targets need a head of their own."""
+        return self.draft_head == "embedded" and self.model == "embedded"
 
     @property
     def ocm_file(self) -> Path:
@@ -114,4 +132,5 @@ class Settings(BaseSettings):
             lambda_=self.lambda_,
             tau=self.tau,
             lossy_threshold=self.lossy_threshold,
+            guard_facts=self.guard_facts,
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -14,9 +15,12 @@ from ocm_store.base import Namespace, OCMStore
 from ocm_store.factory import open_store
 from service.config import Settings
 from service.decoding import (
+    CombinedDrafter,
+    DecodingError,
     Drafter,
     DraftPolicy,
     Engine,
+    HeadDrafter,
     LoadedModel,
     ModelDrafter,
     NgramDrafter,
@@ -25,6 +29,7 @@ from service.decoding import (
     vocabulary_hash,
 )
 from service.decoding.batch_kv import supports_batching
+from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.draft_policy import measure_forward_costs
 
 log = logging.getLogger(__name__)
@@ -66,6 +71,15 @@ class Runtime:
             )
             check_same_vocabulary(target, draft)
             drafters["model"] = ModelDrafter(draft)
+        head = _load_head(settings, target)
+        if head is not None:
+            drafters["head"] = head
+            drafters["combined"] = CombinedDrafter(drafters["ngram"], head)
+        elif settings.drafter in ("head", "combined"):
+            raise DecodingError(
+                f"drafter {settings.drafter!r} needs a draft head trained for {settings.model!r} "
+                "(--draft-head FOLDER; the embedded head serves the embedded model only)"
+            )
         if store is None:
             store = open_store(
                 settings.redis_url.get_secret_value() if settings.redis_url else None,
@@ -108,3 +122,20 @@ class Runtime:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _load_head(settings: Settings, target: LoadedModel) -> HeadDrafter | None:
+    """The 'head' drafter: the shipped head when the target is the embedded model, or the folder given."""
+    if not settings.draft_head:
+        return None
+    if settings.draft_head == "embedded":
+        if not settings.embedded_head_applies:
+            log.info(
+                "the embedded draft head is for the embedded model only: no 'head' drafter for %s",
+                settings.model,
+            )
+            return None
+        folder = EMBEDDED_HEAD_DIR
+    else:
+        folder = Path(settings.draft_head)
+    return HeadDrafter(target, folder)

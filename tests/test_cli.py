@@ -81,7 +81,7 @@ def test_generate_json_has_text_tokens_with_provenance_and_stats(ocm_path):
     stats = result["stats"]
     assert stats["completion_tokens"] == len(tokens)
     assert stats["target_forwards"] >= 1
-    for key in ("tokens_per_second", "mean_accepted_length", "acceptance_rate", "rescue_rate"):
+    for key in ("tokens_per_second", "tokens_per_forward", "acceptance_rate", "kept_rate", "rescue_rate"):
         assert isinstance(stats[key], (int, float)), key
     # The n-gram drafter copies the sentence from the prompt: some tokens came from accepted drafts. The
     # statistics count what verification kept, which may run past EOS (the drafter also copies the chat

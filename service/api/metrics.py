@@ -6,10 +6,12 @@ Spec-decode counters move once per decoding round (not once per request), so a d
 generation as it happens.
 
 Definitions (the same words as the API and the docs):
-- acceptance rate = (accepted + rescued) / draft tokens; rescue rate = rescued / draft tokens;
+- acceptance rate = accepted / draft tokens (vLLM's: a rescued token is not accepted); kept rate =
+  (accepted + rescued) / draft tokens; rescue rate = rescued / draft tokens;
 - `..._num_accepted_tokens_per_pos_total{position=i}` counts rounds whose draft token at position i was
-  kept (accepted or rescued); divide by `..._num_drafts_total` for the survival rate of position i;
-- mean accepted length (tokens per target forward) = generation tokens / target forwards.
+  accepted (vLLM's), `..._num_kept_tokens_per_pos_total{position=i}` those where it was kept (accepted or
+  rescued); divide by `..._num_drafts_total` for the survival rate of position i;
+- tokens per target forward (vLLM's mean acceptance length) = generation tokens / target forwards.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ class ServiceMetrics:
         )
         self.num_accepted_tokens_per_pos = counter(
             "csd_spec_decode_num_accepted_tokens_per_pos",
+            "Rounds whose draft token at this position was accepted (equal to the target's choice).",
+            (*SPEC_LABELS, "position"),
+        )
+        self.num_kept_tokens_per_pos = counter(
+            "csd_spec_decode_num_kept_tokens_per_pos",
             "Rounds whose draft token at this position was kept (accepted or rescued).",
             (*SPEC_LABELS, "position"),
         )
@@ -132,6 +139,7 @@ class ServiceMetrics:
             metric.labels(method, drafter)
         for position in range(num_speculative_tokens):
             self.num_accepted_tokens_per_pos.labels(method, drafter, str(position))
+            self.num_kept_tokens_per_pos.labels(method, drafter, str(position))
 
     def record_round(self, method: str, drafter: str, r: RoundStats) -> None:
         """One target forward's worth of speculation statistics."""
@@ -152,9 +160,12 @@ class ServiceMetrics:
             self.num_bonus_tokens.labels(*labels).inc(r.num_bonus)
         if r.ocm_seconds:
             self.ocm_seconds.labels(*labels).inc(r.ocm_seconds)
+        for position, accepted in enumerate(r.accepted_per_position):
+            if accepted:
+                self.num_accepted_tokens_per_pos.labels(*labels, str(position)).inc()
         for position, kept in enumerate(r.kept_per_position):
             if kept:
-                self.num_accepted_tokens_per_pos.labels(*labels, str(position)).inc()
+                self.num_kept_tokens_per_pos.labels(*labels, str(position)).inc()
 
 
 class OCMStoreCollector(Collector):

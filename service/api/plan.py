@@ -50,12 +50,18 @@ def speculative_config(
             lambda_=o.lambda_ if o.lambda_ is not None else settings.lambda_,
             tau=o.tau if o.tau is not None else settings.tau,
             lossy_threshold=settings.lossy_threshold,
+            guard_facts=o.guard_facts if o.guard_facts is not None else settings.guard_facts,
         )
     except DecodingError as exc:
         raise bad_request(str(exc), param="speculative") from None
     if spec.speculates and drafter not in runtime.engine.drafters:
         available = ", ".join(sorted(runtime.engine.drafters))
-        hint = " (start the server with --draft-model to enable 'model')" if drafter == "model" else ""
+        hints = {
+            "model": " (start the server with --draft-model to enable 'model')",
+            "head": " (the server has no draft head for its model: --draft-head FOLDER)",
+            "combined": " (the server has no draft head for its model: --draft-head FOLDER)",
+        }
+        hint = hints.get(drafter, "")
         raise bad_request(
             f"drafter {drafter!r} is not available on this server (available: {available}){hint}",
             param="speculative.drafter",

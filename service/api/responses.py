@@ -51,8 +51,9 @@ def speculative_stats(
         recovered_tokens=stats.num_recovered,
         bonus_tokens=stats.num_bonus,
         acceptance_rate=round(stats.acceptance_rate, 4),
+        kept_rate=round(stats.kept_rate, 4),
         rescue_rate=round(stats.rescue_rate, 4),
-        mean_accepted_length=round(stats.mean_accepted_length, 4),
+        tokens_per_forward=round(stats.tokens_per_forward, 4),
         target_forwards=stats.target_forwards,
         tokens=tokens,
     )

@@ -34,13 +34,20 @@ class SpeculativeOptions(_Request):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
     method: MethodName | None = Field(None, description="vanilla | sd (lossless) | lossy | csd")
-    drafter: Literal["ngram", "model"] | None = Field(None, description="ngram (prompt lookup) or model")
+    drafter: Literal["ngram", "head", "combined", "model"] | None = Field(
+        None,
+        description="ngram (prompt lookup), head (the trained draft head), combined (prompt lookup where it "
+        "matches, else the head) or model (a draft model)",
+    )
     num_speculative_tokens: int | None = Field(None, ge=0, le=64, description="draft tokens per round")
     tau: float | None = Field(
         None, gt=0, le=1, description="CSD semantic gate: p(draft)/p(target top) >= tau"
     )
     lambda_: float | None = Field(
         None, ge=0, alias="lambda", description="CSD frequency gate: rescue when count > lambda"
+    )
+    guard_facts: bool | None = Field(
+        None, description="csd: never rescue numbers, negations or names (server default: on)"
     )
     return_provenance: bool = Field(
         False, description="return each token's provenance (accepted, rescued, recovered, bonus, plain)"
@@ -229,9 +236,12 @@ class SpeculativeStats(BaseModel):
     rescued_tokens: int
     recovered_tokens: int
     bonus_tokens: int
-    acceptance_rate: float = Field(description="(accepted + rescued) / draft tokens")
+    acceptance_rate: float = Field(
+        description="accepted / draft tokens (strict: rescued tokens not included)"
+    )
+    kept_rate: float = Field(description="(accepted + rescued) / draft tokens")
     rescue_rate: float = Field(description="rescued / draft tokens")
-    mean_accepted_length: float = Field(description="tokens per target forward")
+    tokens_per_forward: float = Field(description="tokens per target forward (vLLM's mean acceptance length)")
     target_forwards: int
     tokens: list[ProvenanceToken] | None = Field(
         None, exclude_if=_absent_if_none, description="with return_provenance"

@@ -25,7 +25,7 @@ from service.api.errors import CLIENT_CLOSED_REQUEST, SERVER, UNAVAILABLE, APIEr
 from service.api.metrics import ServiceMetrics
 from service.decoding import DecodingError, Engine, GenerationStats, SamplingParams, SpeculativeConfig
 from service.decoding.batch import DEFAULT_MAX_BATCHED_TOKENS, Batch
-from service.decoding.engine import Generation
+from service.decoding.generation import Generation
 from service.decoding.types import EmittedToken, GenerationStep
 
 log = logging.getLogger(__name__)

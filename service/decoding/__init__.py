@@ -12,11 +12,14 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "Batch": "batch",
     "DraftPolicy": "draft_policy",
+    "CombinedDrafter": "drafters",
     "Drafter": "drafters",
+    "HeadDrafter": "drafters",
     "ModelDrafter": "drafters",
     "NgramDrafter": "drafters",
     "Engine": "engine",
-    "Generation": "engine",
+    "run_alone": "engine",
+    "Generation": "generation",
     "LoadedModel": "models",
     "check_same_vocabulary": "models",
     "load_model": "models",
@@ -44,8 +47,9 @@ def __getattr__(name: str):
 if TYPE_CHECKING:
     from service.decoding.batch import Batch
     from service.decoding.draft_policy import DraftPolicy
-    from service.decoding.drafters import Drafter, ModelDrafter, NgramDrafter
-    from service.decoding.engine import Engine, Generation
+    from service.decoding.drafters import CombinedDrafter, Drafter, HeadDrafter, ModelDrafter, NgramDrafter
+    from service.decoding.engine import Engine, run_alone
+    from service.decoding.generation import Generation
     from service.decoding.models import LoadedModel, check_same_vocabulary, load_model, vocabulary_hash
     from service.decoding.types import (
         DecodingError,
@@ -62,6 +66,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Batch",
+    "CombinedDrafter",
     "DecodingError",
     "DivergenceMemory",
     "DraftPolicy",
@@ -71,6 +76,7 @@ __all__ = [
     "Generation",
     "GenerationStats",
     "GenerationStep",
+    "HeadDrafter",
     "LoadedModel",
     "Method",
     "ModelDrafter",
@@ -81,5 +87,6 @@ __all__ = [
     "SpeculativeConfig",
     "check_same_vocabulary",
     "load_model",
+    "run_alone",
     "vocabulary_hash",
 ]

@@ -6,10 +6,10 @@ explained there). Each `step()`:
    sequence whose prompt is in joins the running rows. A step's tokens (the previous round's width plus
    the chunk) stay within `max_batched_tokens`, and one chunk per step, so a long prompt delays the
    others' next round by one bounded chunk forward, never by its whole prefill;
-2. runs one decoding round for every running row: each offers its draft, the draft policy picks one draft
-   cap K for the batch (0 when speculation does not pay at this batch size and acceptance), one target
-   forward verifies [last token, draft] of every row, and each row verifies, rescues (CSD) and emits on its
-   own logits as if it ran alone;
+2. runs one decoding round for every running row (`_round`, read top to bottom): every drafter proposes
+   for its rows, the draft policy picks one draft cap K for the batch (0 when speculation does not pay at
+   this batch size and acceptance), one target forward verifies [last token, draft] of every row, and each
+   row verifies, rescues (CSD) and emits on its own logits as if it ran alone;
 3. drops the rows that finished.
 
 Rows join and leave between steps (continuous batching); `remove()` takes out a cancelled sequence without
@@ -26,8 +26,8 @@ import torch
 
 from service.decoding.batch_kv import BatchKV
 from service.decoding.draft_policy import DraftPolicy
-from service.decoding.drafters import Draft, ModelDraftRows
-from service.decoding.engine import Generation
+from service.decoding.drafters.base import BatchDrafter, Draft
+from service.decoding.generation import Generation
 from service.decoding.models import LoadedModel
 from service.decoding.types import DecodingError, GenerationStep
 
@@ -55,11 +55,12 @@ class Batch:
         self.max_batch_size = max_batch_size
         self.max_batched_tokens = max_batched_tokens
         self.kv = BatchKV(target.model, target.device)
+        self.hidden = target.final_hidden  # installs the capture before the first forward
         self.running: list[Generation] = []  # row b of self.kv is running[b]
-        # sequences whose prompts are going in: (generation, its target cache, its draft-model cache or None)
-        self.joining: collections.deque[tuple[Generation, BatchKV, BatchKV | None]] = collections.deque()
-        # per draft model (by drafter name): the draft caches of the running sequences that use it
-        self.draft_rows: dict[str, ModelDraftRows] = {}
+        # sequences whose prompts are going in, each with its own one-row target cache
+        self.joining: collections.deque[tuple[Generation, BatchKV]] = collections.deque()
+        # per drafter (by name): its state for this batch's sequences (draft caches, n-gram indexes)
+        self.drafters: dict[str, BatchDrafter] = {}
         self._round_width = 0  # tokens the last decoding round fed (rows x (1 + draft cap))
         # sequences the last step took out because their own verification or emission raised: the others
         # in the batch carry on; whoever drives the batch reports these
@@ -79,19 +80,18 @@ class Batch:
             raise DecodingError(f"the batch is full ({self.max_batch_size} sequences)")
         if generation.target is not self.target:
             raise DecodingError("a batch runs sequences of one target model")
-        draft_kv = None
-        if generation.drafter_session is not None and not generation.drafter.cheap:
-            rows = self.draft_rows.get(generation.drafter.name)
-            if rows is None:
-                rows = self.draft_rows[generation.drafter.name] = ModelDraftRows(generation.drafter.draft)
-            draft_kv = rows.new_row()
-        self.joining.append((generation, BatchKV(self.target.model, self.target.device, rows=1), draft_kv))
+        if generation.drafter is not None and generation.drafter.name not in self.drafters:
+            self.drafters[generation.drafter.name] = generation.drafter.rows()
+        self.joining.append((generation, BatchKV(self.target.model, self.target.device, rows=1)))
 
     def remove(self, generation: Generation) -> None:
         """Take a sequence out (cancelled or finished); the others carry on untouched."""
-        for i, (joining, _, _) in enumerate(self.joining):
+        for i, (joining, _) in enumerate(self.joining):
             if joining is generation:
                 del self.joining[i]
+                drafter = self._drafter_of(generation)
+                if drafter is not None:
+                    drafter.leave(generation)
                 return
         self._drop_running([generation])
 
@@ -103,15 +103,20 @@ class Batch:
         self.running = [g for row, g in enumerate(self.running) if row not in rows]
         self.kv.remove(rows)
         for generation in generations:
-            for draft_rows in self.draft_rows.values():
-                draft_rows.leave(generation)
+            drafter = self._drafter_of(generation)
+            if drafter is not None:
+                drafter.leave(generation)
+
+    def _drafter_of(self, generation: Generation) -> BatchDrafter | None:
+        """The batch's state of the generation's drafter (None when it does not speculate)."""
+        return self.drafters.get(generation.drafter.name) if generation.drafter is not None else None
 
     def clear(self) -> None:
         """Drop every sequence (after a failed forward the caches cannot be trusted)."""
         self.running.clear()
         self.joining.clear()
         self.kv = BatchKV(self.target.model, self.target.device)
-        self.draft_rows.clear()
+        self.drafters.clear()
 
     # ------------------------------------------------------------------ one step
 
@@ -127,7 +132,7 @@ class Batch:
     def _prefill_chunk(self) -> None:
         if not self.joining:
             return
-        generation, own, draft_own = self.joining[0]
+        generation, own = self.joining[0]
         size = self.max_batched_tokens
         if self.running:  # share the step's token budget with the running rows' round
             size = max(min(MIN_PREFILL_CHUNK, size), size - max(self._round_width, len(self.running)))
@@ -136,67 +141,72 @@ class Batch:
             started = time.perf_counter()
             # logits_to_keep=1 skips the vocabulary projection of the prompt: only its cache is wanted
             own.forward([chunk], logits_to_keep=1)
-            if draft_own is not None:
-                draft_own.forward([chunk], logits_to_keep=1)
+            generation.target_hidden = self._final_hidden()[0, -1]
+            drafter = self._drafter_of(generation)
+            if drafter is not None:
+                drafter.prefill(generation, chunk)
             generation.prefilled += len(chunk)
             generation.stats.prefill_seconds += time.perf_counter() - started
         if generation.prefilled >= len(generation.prefill_ids):
             self.joining.popleft()
             self.kv.add(own)
             self.running.append(generation)
-            if draft_own is not None:
-                self.draft_rows[generation.drafter.name].join(generation, draft_own, generation.prefill_ids)
+
+    def _final_hidden(self) -> torch.Tensor:
+        """The target's final hidden states of the forward that just ran, [B, T, d]."""
+        hidden = self.hidden.latest
+        assert hidden is not None
+        return hidden
 
     def _round(self) -> list[tuple[Generation, GenerationStep]]:
         started = time.perf_counter()
-        rows = len(self.running)
-        offers = [g.offer_draft() for g in self.running]
+        rows = self.running
+        # 1. draft: every drafter proposes for its rows, up to each row's budget
+        drafts = self._propose()
+        # 2. cap: one draft length K for the whole batch, from the draft policy (0: a plain step)
+        offers = [
+            (g.drafter.name, d.key, len(d.tokens)) for g, d in zip(rows, drafts, strict=True) if d.tokens
+        ]
         cap = self.policy.choose_batch(
-            [o for o in offers if o is not None], rows=rows, max_len=self.max_batched_tokens // rows - 1
+            offers, rows=len(rows), max_len=self.max_batched_tokens // len(rows) - 1
         )
-        drafts = self._drafts(offers, cap)
-        feeds = [g.round_tokens(d) for g, d in zip(self.running, drafts, strict=True)]
+        drafts = [d.cut(cap) for d in drafts]
+        # 3. verify: one target forward over [last committed token, draft] of every row
+        feeds = [g.round_tokens(d) for g, d in zip(rows, drafts, strict=True)]
         logits = self.kv.forward(feeds)
-        self._round_width = rows * max(len(f) for f in feeds)
+        hidden = self._final_hidden()
+        self._round_width = len(rows) * max(len(f) for f in feeds)
         seconds = time.perf_counter() - started
         results: list[tuple[Generation, GenerationStep]] = []
-        for row, (generation, draft, fed) in enumerate(zip(self.running, drafts, feeds, strict=True)):
+        for row, (generation, draft, fed) in enumerate(zip(rows, drafts, feeds, strict=True)):
+            # 4. keep: the row's own verification rule keeps a prefix of its draft and emits
             try:
                 step, kept = generation.absorb(draft, logits[row, : len(fed)].float(), seconds)
             except Exception as exc:  # one sequence's failure is its own: the batch goes on without it
                 log.exception("a sequence failed in its verification; dropping it from the batch")
                 self.failed.append((generation, exc))
                 continue
-            # the cache now holds the row's committed tokens but the last, plus everything fed this round
+            # 5. roll back: the cache keeps the committed tokens but the last, and drops the rejected draft;
+            # the hidden state that chose the round's last token is where the next draft starts
             self.kv.keep(row, self.kv.length(row) - len(fed) + kept)
+            generation.target_hidden = hidden[row, kept - 1].clone()
             results.append((generation, step))
         self.kv.settle()
         done = [g for g, _ in self.failed] + [g for g in self.running if g.finish_reason is not None]
         self._drop_running(done)
         return results
 
-    def _drafts(self, offers: list, cap: int) -> list[Draft]:
-        """Each row's draft under the cap: cheap proposals cut to it; draft models run batched, one draft
-        forward per position for all the rows that use them."""
-        wanted: dict[str, dict] = {}
-        for generation, offer in zip(self.running, offers, strict=True):
-            if offer is not None and not generation.drafter.cheap:
-                k = generation.draft_limit(cap)
-                if k:
-                    wanted.setdefault(generation.drafter.name, {})[generation] = (
-                        generation.committed,
-                        k,
-                        generation.drafter_session,
-                    )
-        proposed: dict = {}
-        for name, rows in wanted.items():
-            proposed.update(self.draft_rows[name].propose(rows))
-        drafts = []
-        for generation, offer in zip(self.running, offers, strict=True):
-            if offer is None:
-                drafts.append(Draft([]))
-            elif generation.drafter.cheap:
-                drafts.append(generation.take_draft(cap))
-            else:
-                drafts.append(proposed.get(generation, Draft([])))
+    def _propose(self) -> list[Draft]:
+        """Each running row's draft (empty when it does not speculate): one `propose` per drafter for all
+        of its rows."""
+        drafts = [Draft([]) for _ in self.running]
+        by_drafter: dict[str, list[int]] = {}
+        requests = [g.draft_row() for g in self.running]
+        for index, (generation, request) in enumerate(zip(self.running, requests, strict=True)):
+            if request is not None:
+                by_drafter.setdefault(generation.drafter.name, []).append(index)
+        for name, indexes in by_drafter.items():
+            proposed = self.drafters[name].propose([requests[i] for i in indexes])
+            for i, draft in zip(indexes, proposed, strict=True):
+                drafts[i] = draft
         return drafts

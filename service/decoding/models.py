@@ -37,6 +37,19 @@ DTYPES = {
 }
 
 
+class FinalHiddenStates:
+    """The input of a model's LM head (its final hidden states) in the model's latest forward, [B, T, d]
+    (T as many positions as the logits). A forward pre-hook: it copies nothing, and it is installed once per
+    model however many batches read it."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.latest: torch.Tensor | None = None
+        model.get_output_embeddings().register_forward_pre_hook(self._record)
+
+    def _record(self, module: torch.nn.Module, args: tuple) -> None:
+        self.latest = args[0]
+
+
 @dataclass
 class LoadedModel:
     """A causal LM with its tokenizer and the identity the OCM namespaces patterns by."""
@@ -49,6 +62,25 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def final_hidden(self) -> FinalHiddenStates:
+        """The model's final hidden states of its latest forward (what a draft head starts from)."""
+        capture = self.model.__dict__.get("_csd_final_hidden")
+        if capture is None:
+            capture = FinalHiddenStates(self.model)
+            self.model.__dict__["_csd_final_hidden"] = capture
+        return capture
+
+    @property
+    def fact_tokens(self) -> frozenset[int]:
+        """Token ids CSD's fact guard never rescues (`fact_guard`); computed once per model."""
+        ids = self.model.__dict__.get("_csd_fact_tokens")
+        if ids is None:
+            from service.decoding.fact_guard import fact_token_ids
+
+            ids = self.model.__dict__["_csd_fact_tokens"] = fact_token_ids(self.tokenizer)
+        return ids
 
     @property
     def max_context(self) -> int:

@@ -46,6 +46,8 @@ class SpeculativeConfig:
     tau: float = 0.01
     # Lossy baseline: accept when p(draft) / p(target top) >= lossy_threshold.
     lossy_threshold: float = 0.6
+    # CSD never rescues a token (or over a token) that is a number, a negation or a name (`fact_guard`)
+    guard_facts: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, Method):
@@ -114,6 +116,8 @@ class RoundStats:
     num_bonus: int = 0  # 0 or 1
     # per draft position: True if that draft token was kept (accepted or rescued)
     kept_per_position: list[bool] = field(default_factory=list)
+    # per draft position: True if that draft token was accepted (equal to the target's choice; no rescue)
+    accepted_per_position: list[bool] = field(default_factory=list)
     ocm_seconds: float = 0.0  # time spent in the correction memory (record + read)
 
     @property
@@ -134,7 +138,10 @@ class GenerationStats:
     num_rescued: int = 0
     num_recovered: int = 0
     num_bonus: int = 0
+    # per draft position i: rounds whose draft token i was accepted (strict, vLLM's definition) / kept
+    # (accepted or rescued)
     accepted_per_position: list[int] = field(default_factory=list)
+    kept_per_position: list[int] = field(default_factory=list)
     ocm_seconds: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -149,16 +156,17 @@ class GenerationStats:
         self.num_recovered += r.num_recovered
         self.num_bonus += r.num_bonus
         self.ocm_seconds += r.ocm_seconds
-        if len(self.accepted_per_position) < len(r.kept_per_position):
-            self.accepted_per_position.extend(
-                [0] * (len(r.kept_per_position) - len(self.accepted_per_position))
-            )
-        for i, kept in enumerate(r.kept_per_position):
-            self.accepted_per_position[i] += int(kept)
+        _add_positions(self.accepted_per_position, r.accepted_per_position)
+        _add_positions(self.kept_per_position, r.kept_per_position)
 
     @property
     def acceptance_rate(self) -> float:
-        """(accepted + rescued) / drafted; 0 when nothing was drafted."""
+        """accepted / drafted (strict: rescued tokens are not accepted); 0 when nothing was drafted."""
+        return self.num_accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def kept_rate(self) -> float:
+        """(accepted + rescued) / drafted: what CSD keeps of the drafts."""
         return (
             (self.num_accepted + self.num_rescued) / self.num_draft_tokens if self.num_draft_tokens else 0.0
         )
@@ -169,8 +177,8 @@ class GenerationStats:
         return self.num_rescued / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per target forward (1.0 for vanilla decoding)."""
+    def tokens_per_forward(self) -> float:
+        """Tokens emitted per target forward (1.0 for vanilla decoding; vLLM's "mean acceptance length")."""
         return self.completion_tokens / self.target_forwards if self.target_forwards else 0.0
 
     @property
@@ -190,14 +198,23 @@ class GenerationStats:
             "recovered_tokens": self.num_recovered,
             "bonus_tokens": self.num_bonus,
             "accepted_per_position": list(self.accepted_per_position),
+            "kept_per_position": list(self.kept_per_position),
             "acceptance_rate": round(self.acceptance_rate, 4),
+            "kept_rate": round(self.kept_rate, 4),
             "rescue_rate": round(self.rescue_rate, 4),
-            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "tokens_per_forward": round(self.tokens_per_forward, 4),
             "tokens_per_second": round(self.tokens_per_second, 2),
             "ocm_seconds": round(self.ocm_seconds, 6),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_seconds": round(self.decode_seconds, 4),
         }
+
+
+def _add_positions(totals: list[int], flags: list[bool]) -> None:
+    if len(totals) < len(flags):
+        totals.extend([0] * (len(flags) - len(totals)))
+    for i, flag in enumerate(flags):
+        totals[i] += int(flag)
 
 
 @dataclass

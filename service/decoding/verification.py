@@ -73,14 +73,20 @@ def lossy_rule(threshold: float) -> RescueRule:
     return rule
 
 
-def calibrated_rule(memory: DivergenceMemory, lambda_: float, tau: float) -> RescueRule:
-    """CSD: record (d, t*) first, then rescue iff count > lambda (OCM) and p(d)/p(t*) >= tau (SCG)."""
+def calibrated_rule(
+    memory: DivergenceMemory, lambda_: float, tau: float, guarded: frozenset[int] = frozenset()
+) -> RescueRule:
+    """CSD: record (d, t*) first, then rescue iff count > lambda (OCM) and p(d)/p(t*) >= tau (SCG).
+
+    `guarded`: token ids never rescued nor rescued over (numbers, negations, names: `fact_guard`)."""
     log_tau = math.log(tau)
 
     def rule(draft_token: int, top: int, row: torch.Tensor) -> bool:
         pattern = (draft_token, top)
         memory.record([pattern])
         if math.isinf(lambda_):  # rescue disabled: the memory still learns
+            return False
+        if draft_token in guarded or top in guarded:  # a different number, negation or name: a new fact
             return False
         # The semantic gate is cheaper than the count lookup on a remote-backed memory, so test it first.
         if logit_gap(row, draft_token, top) < log_tau:
@@ -123,6 +129,7 @@ def verify_greedy(
             tokens.append(EmittedToken(d, Provenance.ACCEPTED))
             stats.num_accepted += 1
             stats.kept_per_position.append(True)
+            stats.accepted_per_position.append(True)
             continue
         if rescue is not None:
             started = time.perf_counter()
@@ -132,10 +139,12 @@ def verify_greedy(
                 tokens.append(EmittedToken(d, Provenance.RESCUED, replaced_token_id=top))
                 stats.num_rescued += 1
                 stats.kept_per_position.append(True)
+                stats.accepted_per_position.append(False)
                 continue
         tokens.append(EmittedToken(top, Provenance.RECOVERED if k else Provenance.PLAIN))
         stats.num_recovered += 1
         stats.kept_per_position.extend([False] * (k - i))
+        stats.accepted_per_position.extend([False] * (k - i))
         return Verdict(tokens, stats)
     tokens.append(EmittedToken(tops[k], Provenance.BONUS if k else Provenance.PLAIN))
     stats.num_bonus += int(k > 0)
@@ -191,6 +200,7 @@ def verify_sampling(
             tokens.append(EmittedToken(d, Provenance.ACCEPTED))
             stats.num_accepted += 1
             stats.kept_per_position.append(True)
+            stats.accepted_per_position.append(True)
             continue
         if rescue is not None:
             top = int(target_logits[i].argmax())
@@ -202,10 +212,12 @@ def verify_sampling(
                     tokens.append(EmittedToken(d, Provenance.RESCUED, replaced_token_id=top))
                     stats.num_rescued += 1
                     stats.kept_per_position.append(True)
+                    stats.accepted_per_position.append(False)
                     continue
         tokens.append(EmittedToken(_sample(_residual(p, draft_probs, i, d), generator), Provenance.RECOVERED))
         stats.num_recovered += 1
         stats.kept_per_position.extend([False] * (k - i))
+        stats.accepted_per_position.extend([False] * (k - i))
         return Verdict(tokens, stats)
     last = _sample(target_probs[k], generator)
     tokens.append(EmittedToken(last, Provenance.BONUS if k else Provenance.PLAIN))

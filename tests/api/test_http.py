@@ -71,13 +71,17 @@ def test_chat_stream_usage_chunk_and_speculative_statistics(api_server: Server) 
     assert usage["total_tokens"] == usage["prompt_tokens"] + 12
     spec = usage_chunk["speculative"]
     assert spec == finish["speculative"]
-    assert spec["method"] == "sd" and spec["drafter"] == "ngram" and spec["num_speculative_tokens"] == 3
+    # the default drafter on the embedded model: prompt lookup where it matches, else the trained head
+    assert spec["method"] == "sd" and spec["drafter"] == "combined" and spec["num_speculative_tokens"] == 3
     assert spec["accepted_tokens"] + spec["rescued_tokens"] <= spec["draft_tokens"]
     assert spec["rescued_tokens"] == 0  # strict speculative decoding never rescues
-    assert spec["mean_accepted_length"] == pytest.approx(12 / spec["target_forwards"], abs=1e-3)
+    assert spec["tokens_per_forward"] == pytest.approx(12 / spec["target_forwards"], abs=1e-3)
     if spec["draft_tokens"]:
         kept = spec["accepted_tokens"] + spec["rescued_tokens"]
-        assert spec["acceptance_rate"] == pytest.approx(kept / spec["draft_tokens"], abs=1e-3)
+        assert spec["kept_rate"] == pytest.approx(kept / spec["draft_tokens"], abs=1e-3)
+        assert spec["acceptance_rate"] == pytest.approx(
+            spec["accepted_tokens"] / spec["draft_tokens"], abs=1e-3
+        )
 
 
 def test_vanilla_request_reports_no_speculation(api_server: Server) -> None:
@@ -88,7 +92,7 @@ def test_vanilla_request_reports_no_speculation(api_server: Server) -> None:
     spec = data["speculative"]
     assert spec["method"] == "vanilla" and spec["drafter"] is None and spec["num_speculative_tokens"] == 0
     assert spec["draft_tokens"] == 0 and spec["target_forwards"] == data["usage"]["completion_tokens"]
-    assert spec["mean_accepted_length"] == 1.0
+    assert spec["tokens_per_forward"] == 1.0
 
 
 def test_provenance_of_every_token_when_asked(api_server: Server) -> None:
@@ -154,8 +158,9 @@ def test_ocm_top_lists_patterns_decoded(api_server: Server) -> None:
         response = http.get("/v1/ocm/top", params={"n": 5})
         assert response.status_code == 200
         data = response.json()["data"]
-        assert [entry["drafter"] for entry in data] == ["ngram"]
-        assert "|ngram|" in data[0]["namespace"]
+        # one namespace per drafter (patterns are per model pair); the default drafter met the rejections
+        assert [entry["drafter"] for entry in data] == ["combined", "head", "ngram"]
+        assert "|combined:ngram+head:" in data[0]["namespace"] and "|ngram|" in data[2]["namespace"]
         patterns = data[0]["patterns"]
         assert 1 <= len(patterns) <= 5
         assert [p["count"] for p in patterns] == sorted((p["count"] for p in patterns), reverse=True)
@@ -166,7 +171,7 @@ def test_ocm_top_lists_patterns_decoded(api_server: Server) -> None:
 
 
 def test_metrics_count_a_request(api_server: Server) -> None:
-    labels = {"method": "csd", "drafter": "ngram"}
+    labels = {"method": "csd", "drafter": "combined"}
     before = api_server.metrics()
     with api_server.client() as http:
         data = http.post(
@@ -191,7 +196,9 @@ def test_metrics_count_a_request(api_server: Server) -> None:
     assert delta("csd_spec_decode_num_rescued_tokens_total", **labels) == spec["rescued_tokens"]
     assert delta("csd_spec_decode_num_recovered_tokens_total", **labels) == spec["recovered_tokens"]
     assert delta("csd_spec_decode_num_bonus_tokens_total", **labels) == spec["bonus_tokens"]
-    kept = delta("csd_spec_decode_num_accepted_tokens_per_pos_total", **labels)
+    # per position: accepted counts accepted tokens only (vLLM's), kept adds the rescued ones
+    assert delta("csd_spec_decode_num_accepted_tokens_per_pos_total", **labels) == spec["accepted_tokens"]
+    kept = delta("csd_spec_decode_num_kept_tokens_per_pos_total", **labels)
     assert kept == spec["accepted_tokens"] + spec["rescued_tokens"]
     assert delta("csd_time_to_first_token_seconds_count", **labels) == 1
     assert delta("csd_e2e_request_latency_seconds_count", **labels) == 1

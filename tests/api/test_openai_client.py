@@ -35,7 +35,7 @@ def test_completion_and_its_stream_agree(client: openai.OpenAI, model: str) -> N
     assert usage is not None and 1 <= usage.completion_tokens <= 12
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     speculative = full.model_extra["speculative"]
-    assert speculative["method"] == "csd" and speculative["drafter"] == "ngram"
+    assert speculative["method"] == "csd" and speculative["drafter"] == "combined"
     assert speculative["target_forwards"] >= 1
 
     chunks = list(
@@ -106,3 +106,32 @@ def test_errors_raise_the_matching_openai_exceptions(api_server: Server, model: 
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, n=2)
     assert bad.value.body["param"] == "n"
+
+
+def test_an_open_question_with_the_trained_drafter(client: openai.OpenAI, model: str) -> None:
+    """What a new user does: ask an open question with each drafter; the trained head (and the default,
+    combined) keep more tokens per target forward than prompt lookup, and strict SD says exactly what
+    plain decoding says."""
+    question = [{"role": "user", "content": "Why do leaves change colour in autumn?"}]
+    answers = {}
+    for drafter in ("ngram", "head", "combined"):
+        answers[drafter] = client.chat.completions.create(
+            model=model,
+            messages=question,
+            max_tokens=48,
+            temperature=0,
+            extra_body={"speculative": {"method": "sd", "drafter": drafter}},
+        )
+    vanilla = client.chat.completions.create(
+        model=model,
+        messages=question,
+        max_tokens=48,
+        temperature=0,
+        extra_body={"speculative": {"method": "vanilla"}},
+    )
+    per_forward = {d: a.model_extra["speculative"]["tokens_per_forward"] for d, a in answers.items()}
+    assert all(a.choices[0].message.content == vanilla.choices[0].message.content for a in answers.values())
+    assert answers["head"].model_extra["speculative"]["drafter"] == "head"
+    assert per_forward["head"] > per_forward["ngram"] and per_forward["combined"] > per_forward["ngram"], (
+        per_forward
+    )

@@ -13,8 +13,19 @@ import pytest
 import torch
 
 from ocm_store import InMemoryStore, Namespace
-from service.decoding import Engine, ModelDrafter, NgramDrafter, SamplingParams, SpeculativeConfig, batch_kv
+from service.decoding import (
+    CombinedDrafter,
+    Engine,
+    HeadDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    SamplingParams,
+    SpeculativeConfig,
+    batch_kv,
+    run_alone,
+)
 from service.decoding.batch import MIN_PREFILL_CHUNK, Batch
+from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.draft_policy import DraftPolicy
 from service.decoding.text import encode_chat
 from tests.decoding.test_lossless import assert_same_tokens
@@ -49,7 +60,7 @@ def seeded_memory(engine_target, prompt_ids):
     g = engine.generate(
         prompt_ids, SamplingParams(max_tokens=MAX_TOKENS), SpeculativeConfig(method="sd"), record_strict=True
     )
-    for _ in g:
+    for _ in run_alone(g):
         pass
     return memory
 
@@ -267,6 +278,29 @@ def test_draft_model_rows_draft_together_and_stay_right(embedded, prompt_ids, al
     assert max(draft_forwards) >= 2
 
 
+def test_head_and_combined_rows_batch_with_the_others_and_stay_lossless(embedded, prompt_ids, alone):
+    """The trained head drafts for several rows in one step per draft position, each row from its own
+    hidden state, beside n-gram rows; strict SD stays equal to the alone runs."""
+    head = HeadDrafter(embedded, EMBEDDED_HEAD_DIR)
+    drafters = {"ngram": NgramDrafter(), "head": head, "combined": CombinedDrafter(NgramDrafter(), head)}
+    engine = Engine(embedded, drafters)
+    picks = [(0, "head"), (2, "combined"), (3, "head"), (0, "ngram")]
+    gens = [
+        engine.generate(
+            prompt_ids[i], SamplingParams(max_tokens=MAX_TOKENS), SpeculativeConfig(method="sd"), drafter
+        )
+        for i, drafter in picks
+    ]
+    run_batch(Batch(embedded, max_batch_size=4, max_batched_tokens=96), {0: gens[:2], 2: gens[2:]})
+    for g, (i, _) in zip(gens, picks, strict=True):
+        assert g.stats.num_draft_tokens > 0
+        if PROMPTS[i][1] in ("sd", "vanilla"):  # the alone run of this prompt was lossless
+            assert_same_tokens(
+                embedded, prompt_ids[i], [t.token_id for t in g.tokens], [t.token_id for t in alone[i].tokens]
+            )
+    assert gens[0].stats.tokens_per_forward > 1.5  # the head's drafts were accepted in the batch
+
+
 def test_a_sequence_that_fails_leaves_the_batch_alone(embedded, prompt_ids, alone):
     """A fault no real input triggers (named fake): one row's verification raises mid-generation. That row
     is dropped and reported in `Batch.failed`; the other rows finish with their alone outputs."""
@@ -296,7 +330,7 @@ def test_a_sequence_that_fails_leaves_the_batch_alone(embedded, prompt_ids, alon
     lone = fresh(embedded, prompt_ids)[1]
     lone._verify = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
     with pytest.raises(RuntimeError, match="injected"):
-        list(lone)
+        list(run_alone(lone))
 
 
 def test_one_token_prompts_join_a_running_batch(embedded, prompt_ids):
@@ -314,7 +348,7 @@ def test_one_token_prompts_join_a_running_batch(embedded, prompt_ids):
         run_batch(batch, {step: [made[name] for name in names] for step, names in join.items()})
         runs.append({name: made[name] for names in join.values() for name in names})
     lone = make_generation(embedded, bos, "vanilla")
-    list(lone)
+    list(run_alone(lone))
     assert lone.tokens
     for made in runs:
         for name in ("one", "one2"):

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from service.decoding import Engine, ModelDrafter, NgramDrafter, SamplingParams, SpeculativeConfig
-from service.decoding.drafters import ModelDraftRows, ModelDraftSession
+from service.decoding import Engine, ModelDrafter, NgramDrafter, SamplingParams, SpeculativeConfig, run_alone
+from service.decoding.drafters import DraftRow, ModelDraftRows
 from service.decoding.kv_cache import crop_cache
 from service.decoding.verification import sampling_probs
 from tests.conftest import make_word_model
@@ -90,29 +90,41 @@ def assert_draft_matches_fresh_prefill(draft_model, committed: list[int], propos
         torch.testing.assert_close(proposal.probs[i], expected, atol=ATOL, rtol=0)
 
 
-def start_session(draft_model, seed: int = 0) -> ModelDraftSession:
-    sampling = SamplingParams(temperature=1.0)  # sampling, so the proposal carries its distributions
-    return ModelDraftSession(draft_model, sampling, torch.Generator().manual_seed(seed))
+class Session:
+    """A sequence's sampling settings, as the batch hands them to a drafter in each `DraftRow`."""
+
+    def __init__(self, seed: int) -> None:
+        self.sampling = SamplingParams(temperature=1.0)  # sampling, so the proposal carries its distributions
+        self.generator = torch.Generator().manual_seed(seed)
+
+
+def start_session(draft_model, seed: int = 0) -> Session:
+    return Session(seed)
 
 
 def draft_rows(draft_model, prompts: list[list[int]]) -> tuple[ModelDraftRows, list[object]]:
-    """A batch's draft cache with one row per prompt, each prefilled (all but its last token) on its own
-    and joined, as the batch does."""
+    """A batch's draft cache with one row per prompt, each prefilled (all but its last token) as the batch
+    does it: chunk by chunk into a cache of its own, joining at its first proposal."""
     rows = ModelDraftRows(draft_model)
     keys = []
     for i, prompt in enumerate(prompts):
-        own = rows.new_row()
-        with torch.inference_mode():
-            own.forward([prompt[:-1]], logits_to_keep=1)
         key = f"sequence-{i}"
-        rows.join(key, own, prompt[:-1])
+        with torch.inference_mode():
+            body = prompt[:-1]
+            rows.prefill(key, body[:2])
+            rows.prefill(key, body[2:])
         keys.append(key)
     return rows, keys
 
 
 def propose(rows, wanted):
+    """wanted: key -> (committed, k, session); returns key -> Draft."""
+    requests = [
+        DraftRow(key, committed, k, session.sampling, session.generator, None)
+        for key, (committed, k, session) in wanted.items()
+    ]
     with torch.inference_mode():
-        return rows.propose(wanted)
+        return dict(zip(wanted, rows.propose(requests), strict=True))
 
 
 @pytest.mark.parametrize("kept", [0, 2, 4], ids=["first-rejected", "some-kept", "all-kept-bonus"])
@@ -183,7 +195,7 @@ def test_engine_feeds_each_token_to_the_target_once_per_round(words, drafter):
         generation = engine.generate(
             prompt, SamplingParams(max_tokens=24, ignore_eos=True), SpeculativeConfig(method="sd"), drafter
         )
-        steps = list(generation)
+        steps = list(run_alone(generation))
     finally:
         handle.remove()
     assert fed[0] == len(prompt) - 1  # prefill: all but the last prompt token

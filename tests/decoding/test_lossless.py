@@ -14,7 +14,17 @@ import pytest
 import torch
 
 from ocm_store import InMemoryStore, Namespace
-from service.decoding import Engine, ModelDrafter, NgramDrafter, SamplingParams, SpeculativeConfig
+from service.decoding import (
+    CombinedDrafter,
+    Engine,
+    HeadDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    SamplingParams,
+    SpeculativeConfig,
+    run_alone,
+)
+from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.text import encode_chat
 from tests.conftest import make_tiny_model
 
@@ -37,7 +47,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def run(engine, ids, method, drafter="ngram", max_tokens=MAX_TOKENS, stop=(), **spec):
     sampling = SamplingParams(max_tokens=max_tokens, stop=tuple(stop))
     g = engine.generate(ids, sampling, SpeculativeConfig(method=method, **spec), drafter)
-    for _ in g:
+    for _ in run_alone(g):
         pass
     return g
 
@@ -72,7 +82,9 @@ def engine(embedded):
         "ngram": NgramDrafter(),
         "tiny": ModelDrafter(make_tiny_model(embedded)),
         "self": ModelDrafter(embedded),
+        "head": HeadDrafter(embedded, EMBEDDED_HEAD_DIR),  # the shipped, trained head
     }
+    drafters["combined"] = CombinedDrafter(drafters["ngram"], drafters["head"])
     memories = {name: store.memory(Namespace("t", name, "v")) for name in drafters}
     return Engine(embedded, drafters, memories)
 
@@ -99,7 +111,17 @@ def vanilla(engine, prompt_ids):
 # for the target drafting for itself, that it agrees with itself). The long answer is covered with several
 # num_speculative_tokens below.
 @pytest.mark.parametrize(
-    "drafter, prompt", [("ngram", 0), ("ngram", 1), ("tiny", 0), ("tiny", 1), ("self", 0)]
+    "drafter, prompt",
+    [
+        ("ngram", 0),
+        ("ngram", 1),
+        ("tiny", 0),
+        ("tiny", 1),
+        ("self", 0),
+        ("head", 0),
+        ("head", 1),
+        ("combined", 0),
+    ],
 )
 def test_sd_equals_vanilla_greedy(engine, embedded, prompt_ids, vanilla, drafter, prompt):
     ids = prompt_ids[prompt]
@@ -110,10 +132,20 @@ def test_sd_equals_vanilla_greedy(engine, embedded, prompt_ids, vanilla, drafter
     assert sd.stats.num_draft_tokens > 0
     if drafter == "self":  # the target drafting for itself is right nearly every time
         assert sd.stats.acceptance_rate > 0.9
+    if drafter == "head":  # the trained head drafts what the target says far more often than chance
+        assert sd.stats.tokens_per_forward > 1.5, sd.stats.as_dict()
 
 
 @pytest.mark.parametrize(
-    "drafter, k, prompt", [("ngram", 1, LONG), ("ngram", 3, LONG), ("ngram", 8, LONG), ("tiny", 8, 0)]
+    "drafter, k, prompt",
+    [
+        ("ngram", 1, LONG),
+        ("ngram", 3, LONG),
+        ("ngram", 8, LONG),
+        ("tiny", 8, 0),
+        ("head", 8, LONG),
+        ("combined", 3, LONG),
+    ],
 )
 def test_sd_equals_vanilla_for_any_num_speculative_tokens(
     engine, embedded, prompt_ids, vanilla, drafter, k, prompt

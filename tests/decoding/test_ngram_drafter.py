@@ -8,10 +8,11 @@ import random
 import pytest
 
 from service.decoding import DecodingError, NgramDrafter, SamplingParams
+from service.decoding.drafters import DraftRow, NgramIndex
 
 
-def session(min_n: int = 2, max_n: int = 4):
-    return NgramDrafter(min_n, max_n).start(SamplingParams(), None)
+def session(min_n: int = 2, max_n: int = 4) -> NgramIndex:
+    return NgramIndex(min_n, max_n)
 
 
 def propose(tokens: list[int], k: int = 8, min_n: int = 2, max_n: int = 4) -> list[int]:
@@ -84,3 +85,19 @@ def test_incremental_index_equals_a_rescan(min_n, max_n):
             # the sequence grows by what a round keeps: part of the draft plus one target token
             kept = expected[: rng.randint(0, len(expected))]
             tokens = tokens + kept + [rng.randrange(5)]
+
+
+def test_batched_rows_each_keep_their_own_index():
+    """The batched interface proposes per row from that row's own sequence; a row that leaves is
+    forgotten."""
+    rows = NgramDrafter().rows()
+    a, b = [1, 2, 3, 9, 1, 2], [5, 6, 7, 5, 6]
+
+    def request(key, tokens):
+        return DraftRow(key, tokens, 3, SamplingParams(), None, None)
+
+    first, second = rows.propose([request("a", a), request("b", b)])
+    assert (first.tokens, second.tokens) == ([3, 9, 1], [7, 5, 6])
+    assert (first.key, second.key) == (2, 2)
+    rows.leave("a")
+    assert set(rows.indexes) == {"b"}

@@ -27,6 +27,7 @@ from service.decoding import (
     Provenance,
     SamplingParams,
     SpeculativeConfig,
+    run_alone,
 )
 from tests.conftest import make_word_model
 
@@ -113,7 +114,7 @@ def sample_positions(engine: Engine, prompt, drafter: str, samples: int):
     for seed in range(samples):
         sampling = SamplingParams(max_tokens=POSITIONS, temperature=TEMPERATURE, seed=seed, ignore_eos=True)
         generation = engine.generate(prompt, sampling, SpeculativeConfig(method="sd"), drafter)
-        for _ in generation:
+        for _ in run_alone(generation):
             pass
         assert len(generation.tokens) == POSITIONS
         for position, token in enumerate(generation.tokens):
@@ -154,7 +155,7 @@ def test_seeded_sampling_is_reproducible(target, draft, method, drafter):
     def tokens(seed: int) -> tuple[int, ...]:
         sampling = SamplingParams(max_tokens=16, temperature=TEMPERATURE, seed=seed, ignore_eos=True)
         generation = engine.generate(prompt, sampling, SpeculativeConfig(method=method), drafter)
-        for _ in generation:
+        for _ in run_alone(generation):
             pass
         return tuple(t.token_id for t in generation.tokens)
 

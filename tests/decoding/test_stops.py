@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from service.decoding import Engine, NgramDrafter, SamplingParams, SpeculativeConfig
+from service.decoding import Engine, NgramDrafter, SamplingParams, SpeculativeConfig, run_alone
 from service.decoding.text import IncrementalDetokenizer, StopMatcher, encode_chat, encode_prompt
 
 METHODS = [("vanilla", 0), ("sd", 6)]
@@ -33,7 +33,7 @@ def engine(embedded):
 def generate(engine, ids, method="sd", k=6, **sampling):
     spec = SpeculativeConfig(method=method, num_speculative_tokens=k)
     generation = engine.generate(ids, SamplingParams(**sampling), spec, "ngram")
-    steps = list(generation)
+    steps = list(run_alone(generation))
     return generation, steps
 
 

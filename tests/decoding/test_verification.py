@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ocm_store import InMemoryStore, Namespace
+from service.decoding.fact_guard import fact_class
 from service.decoding.types import Provenance
 from service.decoding.verification import (
     calibrated_rule,
@@ -109,6 +110,7 @@ def test_rescue_then_further_acceptance_and_second_mismatch():
     v = verify_greedy([3, 4, 7], logits, calibrated_rule(mem, 6, tau=0.01))
     assert provenances(v) == [(3, Provenance.RESCUED), (4, Provenance.ACCEPTED), (2, Provenance.RECOVERED)]
     assert v.round.kept_per_position == [True, True, False]
+    assert v.round.accepted_per_position == [False, True, False]  # a rescued token is kept, not accepted
     assert store.counts(NS, [(7, 2)]) == [1]
 
 
@@ -158,3 +160,46 @@ def test_sampling_point_mass_draft_matches_target_distribution():
         counts[v.tokens[0].token_id] += 1
     tolerance = 4 * torch.sqrt(expected * (1 - expected) / n)
     assert torch.all((counts / n - expected).abs() <= tolerance)
+
+
+def test_the_fact_guard_never_rescues_a_guarded_token_but_still_records_it():
+    store, mem = memory_with(10)
+    # 3 would be rescued over 5 (a recurring pattern, plausible); guarding either token refuses it
+    for guarded in ({3}, {5}):
+        v = verify_greedy(
+            [1, 3], MISMATCH_AT_1, calibrated_rule(mem, 6, tau=0.01, guarded=frozenset(guarded))
+        )
+        assert provenances(v) == [(1, Provenance.ACCEPTED), (5, Provenance.RECOVERED)]
+    v = verify_greedy([1, 3], MISMATCH_AT_1, calibrated_rule(mem, 6, tau=0.01, guarded=frozenset({7})))
+    assert v.tokens[1].provenance is Provenance.RESCUED
+    assert store.counts(NS, [(3, 5)]) == [13]  # each of the three rounds recorded the pattern
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (" 1", "number"),
+        ("7", "number"),
+        (" twenty", "number"),
+        (" not", "negation"),
+        ("n't", "negation"),
+        (" Paris", "name"),
+        (" Lindqvist", "name"),
+        (" The", None),
+        (" colour", None),
+        (",", None),
+        ("\n", None),
+    ],
+)
+def test_fact_classes(text, expected):
+    assert fact_class(text) == expected
+
+
+def test_the_guarded_vocabulary_of_the_embedded_model(embedded):
+    ids = embedded.fact_tokens
+    tok = embedded.tokenizer
+    # the last token of each text carries the digit or the word (SmolLM2 splits " 2" into " " and "2")
+    for text in (" 2", " 0", " not", " never", " London"):
+        assert tok.encode(text, add_special_tokens=False)[-1] in ids, text
+    for text in (" the", " colour", " color", ",", " The"):
+        assert tok.encode(text, add_special_tokens=False)[-1] not in ids, text

@@ -27,6 +27,7 @@ COUNTERS = {
     "csd_spec_decode_num_draft_tokens_total",
     "csd_spec_decode_num_accepted_tokens_total",
     "csd_spec_decode_num_accepted_tokens_per_pos_total",
+    "csd_spec_decode_num_kept_tokens_per_pos_total",
     "csd_spec_decode_num_rescued_tokens_total",
     "csd_spec_decode_num_recovered_tokens_total",
     "csd_spec_decode_num_bonus_tokens_total",

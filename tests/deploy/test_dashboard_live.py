@@ -249,10 +249,10 @@ def test_every_dashboard_expression_returns_data(live):
 
 def test_rates_are_shown_per_method(live):
     dashboard = load_dashboard()
-    (panel,) = [p for p in dashboard_panels(dashboard) if p["title"] == "Acceptance rate"]
+    (panel,) = [p for p in dashboard_panels(dashboard) if p["title"] == "Kept rate (accepted + rescued)"]
     result = live["prom"].query(instantiate(panel["targets"][0]["expr"], dashboard, RATE_INTERVAL))
     methods = {series["metric"].get("method") for series in result}
-    assert {"csd", "sd"} <= methods, f"acceptance rate per method: {result}"
+    assert {"csd", "sd"} <= methods, f"kept rate per method: {result}"
     for series in result:
         # a ratio of two rates: PromQL's float arithmetic may land a hair above 1 when every draft was kept
         assert 0.0 <= float(series["value"][1]) <= 1.0 + 1e-9, series

@@ -18,7 +18,15 @@ import redis
 from ocm_store import Namespace
 from ocm_store.redis_process import RedisProcess
 from ocm_store.redis_store import RedisStore
-from service.decoding import Engine, Method, NgramDrafter, SamplingParams, SpeculativeConfig, vocabulary_hash
+from service.decoding import (
+    Engine,
+    Method,
+    NgramDrafter,
+    SamplingParams,
+    SpeculativeConfig,
+    run_alone,
+    vocabulary_hash,
+)
 from service.decoding.text import encode_chat
 from tests.ocm_store.helpers import in_redis, wait_until
 
@@ -77,7 +85,7 @@ def test_killing_redis_during_generation_loses_nothing(embedded, tmp_path):
             i = 0
             while not stop.is_set():
                 generation = engine.generate(inputs[i % len(inputs)], SamplingParams(max_tokens=24), spec)
-                for _ in generation:
+                for _ in run_alone(generation):
                     steps[0] += 1
                 i += 1
         except BaseException as exc:  # reported by the assertion below

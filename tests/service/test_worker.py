@@ -13,7 +13,7 @@ import pytest
 
 from service.api.metrics import ServiceMetrics
 from service.api.worker import DoneEvent, EngineWorker, ErrorEvent, GenerationPlan, Job
-from service.decoding import Engine, NgramDrafter, SamplingParams, SpeculativeConfig
+from service.decoding import Engine, NgramDrafter, SamplingParams, SpeculativeConfig, run_alone
 from service.decoding.text import encode_chat
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -51,7 +51,7 @@ def test_a_failing_generation_gets_a_500_and_the_others_their_answers(embedded):
         g = Engine(embedded, {"ngram": NgramDrafter()}).generate(
             prompt, SamplingParams(max_tokens=16), SpeculativeConfig(method="sd")
         )
-        list(g)
+        list(run_alone(g))
         alone.append(g.text)
 
     worker = EngineWorker(engine, ServiceMetrics(6), max_queue=4, max_batch_size=4)

@@ -133,7 +133,7 @@ class Run {
       const speculates = s.draft_tokens > 0;
       fig("acceptance", speculates ? percent(s.acceptance_rate) : "—");
       fig("rescue", speculates ? percent(s.rescue_rate) : "—");
-      fig("mal", fmt(s.mean_accepted_length, 2));
+      fig("mal", fmt(s.tokens_per_forward, 2));
     } else {
       const kept = this.counts.accepted + this.counts.rescued;
       fig("acceptance", this.draftTokens ? percent(kept / this.draftTokens) : "—");
@@ -333,6 +333,9 @@ function init() {
   $("method").value = config.method;
   $("drafter").value = config.drafter;
   $("drafter").querySelector("option[value=model]").disabled = !config.draft_model;
+  for (const name of ["head", "combined"]) {
+    $("drafter").querySelector(`option[value=${name}]`).disabled = !config.draft_head;
+  }
   $("k").value = config.num_speculative_tokens;
   $("tau").value = config.tau;
   $("lambda").value = config.lambda;

@@ -1,0 +1,203 @@
+"""One sequence's half of decoding: its draft budget, verification and emission.
+
+A `Generation` is decoded by a `service.decoding.batch.Batch`, which owns the target forward, the caches and
+the drafters' batched state, and runs one round for all its sequences at once (the round is read top to
+bottom in `Batch._round`). Per round a generation:
+- says how many draft tokens it may verify (`draft_budget`: its token budget and context room);
+- verifies the round's logits with its method's rule and emits (`absorb`): kept draft tokens, then one
+  recovered or bonus token, through EOS, the token budget and stop strings.
+
+Invariant between rounds: the target cache holds every committed token except the last, whose logits the
+next round's forward computes together with the draft. Vanilla decoding is the same loop with no draft, so the
+baseline and the speculative methods share every line that is not speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from service.decoding.draft_policy import DraftPolicy
+from service.decoding.drafters.base import Draft, Drafter, DraftRow
+from service.decoding.models import LoadedModel
+from service.decoding.text import IncrementalDetokenizer, StopMatcher
+from service.decoding.types import (
+    DecodingError,
+    EmittedToken,
+    GenerationStats,
+    GenerationStep,
+    Method,
+    SamplingParams,
+    SpeculativeConfig,
+)
+from service.decoding.verification import (
+    DivergenceMemory,
+    RescueRule,
+    Verdict,
+    calibrated_rule,
+    lossy_rule,
+    recording_rule,
+    verify_greedy,
+    verify_sampling,
+)
+
+
+def rescue_rule_for(
+    spec: SpeculativeConfig,
+    memory: DivergenceMemory | None,
+    record_strict: bool = False,
+    fact_tokens: frozenset[int] = frozenset(),
+) -> RescueRule | None:
+    """The one place a method name becomes a verification rule. `fact_tokens`: the target's tokens that
+    the fact guard protects (used when `spec.guard_facts`)."""
+    if spec.method is Method.CSD:
+        if memory is None:
+            raise DecodingError("method 'csd' needs an Online Correction Memory")
+        return calibrated_rule(
+            memory, spec.lambda_, spec.tau, fact_tokens if spec.guard_facts else frozenset()
+        )
+    if spec.method is Method.LOSSY:
+        return lossy_rule(spec.lossy_threshold)
+    if spec.method is Method.SD and record_strict and memory is not None:
+        return recording_rule(memory)
+    return None
+
+
+class Generation:
+    """One sequence being generated. `run_alone()` (engine.py) decodes it alone (a batch of one) and yields its
+    `GenerationStep`s, one per target forward; a server's `Batch` decodes it among others.
+
+    Stopping early (a cancelled request) simply drops the caches: nothing else to undo.
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        spec: SpeculativeConfig,
+        drafter: Drafter | None = None,
+        memory: DivergenceMemory | None = None,
+        record_strict: bool = False,
+        policy: DraftPolicy | None = None,
+    ) -> None:
+        if not prompt_ids:
+            raise DecodingError("prompt must not be empty")
+        if len(prompt_ids) >= target.max_context:
+            raise DecodingError(
+                f"prompt is {len(prompt_ids)} tokens, the model's context is {target.max_context}"
+            )
+        if spec.speculates and drafter is None:
+            raise DecodingError(f"method {spec.method.value!r} needs a drafter")
+        self.target = target
+        self.prompt_ids = list(prompt_ids)
+        self.sampling = sampling
+        self.spec = spec
+        guarded = target.fact_tokens if spec.method is Method.CSD and spec.guard_facts else frozenset()
+        self.rescue = rescue_rule_for(spec, memory, record_strict, guarded)
+        self.generator: torch.Generator | None = None
+        if not sampling.greedy:
+            self.generator = torch.Generator(device=target.device)
+            if sampling.seed is not None:
+                self.generator.manual_seed(sampling.seed)
+            else:
+                self.generator.seed()
+        self.drafter = drafter if spec.speculates else None
+        self.policy = policy or DraftPolicy()
+        self.eos_ids = set() if sampling.ignore_eos else target.eos_token_ids()
+        self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
+        self.tokens: list[EmittedToken] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        # the sequence so far (prompt + kept output); the target's cache holds all of it but the last token
+        self.committed = list(self.prompt_ids)
+        self.detok = IncrementalDetokenizer(target.tokenizer, self.committed)
+        self.stops = StopMatcher(sampling.stop)
+        self.prefilled = 0  # prompt tokens already in the cache (of the len - 1 that prefill covers)
+        # the target's final hidden state at the position that chose committed[-1] ([hidden]), set by the
+        # batch after each forward: what a draft head starts from
+        self.target_hidden: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ what the batch asks of a sequence
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What prefill must feed: every prompt token but the last, which the first round feeds with the
+        first draft."""
+        return self.prompt_ids[:-1]
+
+    def draft_row(self) -> DraftRow | None:
+        """This round's request to the drafter, or None when the sequence does not speculate this round."""
+        k = self.draft_budget()
+        if not k or self.drafter is None:
+            return None
+        return DraftRow(self, self.committed, k, self.sampling, self.generator, self.target_hidden)
+
+    def draft_budget(self) -> int:
+        """The most draft tokens this round may verify: a round emits up to k + 1 tokens, so never draft
+        what the token budget or the context could not keep."""
+        remaining = self.sampling.max_tokens - len(self.tokens)
+        room = self.target.max_context - len(self.committed) - 1
+        return max(
+            0, min(self.spec.num_speculative_tokens if self.spec.speculates else 0, remaining - 1, room)
+        )
+
+    def round_tokens(self, draft: Draft) -> list[int]:
+        """What the round's forward feeds for this sequence: [last committed token, *draft]."""
+        return [self.committed[-1], *draft.tokens]
+
+    def absorb(self, draft: Draft, logits: torch.Tensor, seconds: float) -> tuple[GenerationStep, int]:
+        """Verify the round's logits ([1 + len(draft), V], float32) and emit. Returns the step and how many
+        of the fed tokens the cache keeps (the last committed one plus the kept draft tokens)."""
+        verdict = self._verify(draft.tokens, draft.probs, logits)
+        if draft.tokens:
+            self.policy.observe(self.drafter.name, draft.key, len(draft.tokens), verdict.round.num_kept)
+        step = self._emit(verdict)
+        self.stats.add_round(verdict.round)
+        self.stats.decode_seconds += seconds
+        return step, 1 + verdict.round.num_kept
+
+    def _verify(self, draft: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor) -> Verdict:
+        if self.sampling.greedy:
+            return verify_greedy(draft, logits, self.rescue)
+        return verify_sampling(
+            draft,
+            draft_probs,
+            logits,
+            self.sampling.temperature,
+            self.sampling.top_p,
+            self.generator,
+            self.rescue,
+        )
+
+    def _emit(self, verdict: Verdict) -> GenerationStep:
+        """Apply EOS, the token budget and stop strings to a round's tokens; extend the sequence."""
+        committed, detok, stops = self.committed, self.detok, self.stops
+        emitted: list[EmittedToken] = []
+        text = ""
+        for token in verdict.tokens:
+            if token.token_id in self.eos_ids:
+                self.finish_reason = "stop"
+                break
+            emitted.append(token)
+            committed.append(token.token_id)
+            piece, stopped = stops.feed(detok.push([token.token_id]))
+            text += piece
+            if stopped:
+                self.finish_reason = "stop"
+                break
+            if len(self.tokens) + len(emitted) >= self.sampling.max_tokens:
+                self.finish_reason = "length"
+                break
+            if len(committed) >= self.target.max_context:
+                self.finish_reason = "length"
+                break
+        if self.finish_reason is not None:
+            # Held-back text that never became a stop string belongs to the output (after a stop-string
+            # match the matcher holds nothing).
+            text += stops.flush()
+        self.tokens.extend(emitted)
+        self.text += text
+        self.stats.completion_tokens = len(self.tokens)
+        return GenerationStep(emitted, text, verdict.round, self.finish_reason)
