@@ -1,9 +1,13 @@
 """`python -m bench`: one command runs every experiment and writes the report.
 
-Phases: calibrate an OCM on the calibration prompts (exactly `csd calibrate`'s code path), warm up, run every
-method on every workload interleaved per prompt, check losslessness, sweep tau / lambda, replay the grounded
-suite through CSD from a cold OCM, profile the forward, then write bench/results/<timestamp>/ (report.json,
-report.md, outputs.jsonl, PNG plots) and print the markdown table.
+Phases: calibrate an OCM on the calibration prompts, once per drafter (exactly `csd calibrate`'s code path),
+warm up, run every method on every workload interleaved per prompt, check losslessness, sweep tau / lambda,
+replay the grounded suite through CSD from a cold OCM, profile the forward and each drafter, then write
+bench/results/<timestamp>/ (report.json, report.md, outputs.jsonl, PNG plots) and print the markdown table.
+
+The draft head's columns (sd-head, csd-head, ...) run when the target is the embedded model and the embedded
+head's weights exist, or with --draft-head FOLDER; otherwise the report says, in one line, why they were
+skipped.
 """
 
 from __future__ import annotations
@@ -50,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="embedded", help="target model spec (default: the embedded SmolLM2-135M)"
     )
     p.add_argument("--draft-model", help="also run every speculative method with this draft model")
+    p.add_argument(
+        "--draft-head",
+        help="folder of a trained draft head for the head / combined columns (default: the embedded head, "
+        "when the target is the embedded model and its weights exist)",
+    )
+    p.add_argument("--no-draft-head", action="store_true", help="skip the head / combined columns")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--workloads", type=_workloads, help=f"comma-separated subset of {','.join(WORKLOADS)}")
@@ -70,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--replay-prompts", type=int, help="grounded prompts in the online-learning replay")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' own generate")
+    p.add_argument(
+        "--methods",
+        help="comma-separated method columns to run (default: all; vanilla always runs, it is the baseline)",
+    )
     p.add_argument("--no-profile", action="store_true", help="skip the forward-cost profile")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--seed", type=int, help="shuffle seed of the replay")
@@ -81,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     overrides = {
         "model": args.model,
         "draft_model": args.draft_model,
+        "draft_head": args.draft_head,
         "workloads": args.workloads,
         "limit": args.limit,
         "max_tokens": args.max_tokens,
@@ -101,6 +116,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     overrides = {k: v for k, v in overrides.items() if v is not None}
     config = BenchConfig.quick_preset(**overrides) if args.quick else BenchConfig(**overrides)
     config.peer = not args.no_peer
+    if args.methods:
+        config.methods = tuple(
+            dict.fromkeys(["vanilla", *(m.strip() for m in args.methods.split(",") if m.strip())])
+        )
+    if args.no_draft_head:
+        config.draft_head = None
+    elif config.draft_head not in (None, "embedded") and not Path(config.draft_head).is_dir():
+        raise BenchError(f"--draft-head {config.draft_head}: no such folder")
     config.extra = {"device": args.device, "dtype": args.dtype, "profile": not args.no_profile}
     for name in ("limit", "max_tokens", "calibration_prompts", "calibration_max_tokens", "threads"):
         value = getattr(config, name)
@@ -132,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(exc)
     import transformers
 
-    from bench.reports import goals_table, main_table
+    from bench.reports import drafter_cost_lines, goals_table, main_table
     from bench.run import run_benchmark
     from service.decoding.types import DecodingError
 
@@ -150,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(goals_table(report["goals"]))
     print()
+    skipped = report["draft_head"]["skipped"]
+    for line in ([f"head / combined columns skipped: {skipped}"] if skipped else []) + drafter_cost_lines(
+        report
+    ):
+        print(line)
     print(f"wall time {report['meta']['wall_seconds']:.0f} s; report in {out_dir}")
     return 0
 

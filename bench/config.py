@@ -34,6 +34,9 @@ class BenchConfig:
     lossy_threshold: float = 0.6
     ngram_min: int = 2
     ngram_max: int = 4
+    # the trained draft head ("embedded": the shipped one, when the target is the embedded model and its weights
+    # exist; a folder; None: no head columns)
+    draft_head: str | None = "embedded"
     # OCM calibration on bench/data/calibration.jsonl (never the evaluation prompts)
     calibration_prompts: int | None = None
     calibration_max_tokens: int = 128
@@ -45,6 +48,7 @@ class BenchConfig:
     replay_passes: int = 3
     replay_prompts: int | None = None
     peer: bool = True  # transformers' own generate
+    methods: tuple[str, ...] | None = None  # method columns to run (None: all)
     humaneval_timeout: float = 3.0
     threads: int | None = None
     seed: int = 0

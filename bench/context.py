@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -12,15 +13,38 @@ from bench.metrics import LogLikelihoodScorer, SentenceEmbedder
 from bench.runners import MethodSpec, RunOutput, run_engine, run_hf
 from ocm_store.memory import InMemoryStore
 from service.decoding import (
+    CombinedDrafter,
     Drafter,
     DraftPolicy,
     Engine,
+    HeadDrafter,
     LoadedModel,
     ModelDrafter,
     NgramDrafter,
     SpeculativeConfig,
 )
+from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.draft_policy import ForwardCosts, measure_forward_costs
+
+
+def head_folder(config: BenchConfig) -> tuple[Path | None, str | None]:
+    """(the draft head folder to load, None) or (None, why the head / combined columns are skipped).
+
+    The embedded head is trained for the embedded target only (its hidden states and vocabulary); a folder
+    given explicitly is loaded whatever the target, and `HeadDrafter` refuses one trained for another model.
+    """
+    if config.draft_head is None:
+        return None, "--no-draft-head"
+    if config.draft_head != "embedded":
+        return Path(config.draft_head), None
+    if config.model != "embedded":
+        return None, (
+            f"the embedded draft head is trained for the embedded model, not {config.model!r} (--draft-head "
+            "FOLDER for one trained for it)"
+        )
+    if not (EMBEDDED_HEAD_DIR / "model.safetensors").is_file():
+        return None, f"no draft head weights in {EMBEDDED_HEAD_DIR} yet (`python -m training` trains them)"
+    return EMBEDDED_HEAD_DIR, None
 
 
 @dataclass
@@ -38,9 +62,21 @@ class Bench:
 
     @classmethod
     def create(
-        cls, config: BenchConfig, target: LoadedModel, draft: LoadedModel | None, progress: tqdm
+        cls,
+        config: BenchConfig,
+        target: LoadedModel,
+        draft: LoadedModel | None,
+        progress: tqdm,
+        head: Path | None = None,
     ) -> Bench:
-        drafters: dict[str, Drafter] = {"ngram": NgramDrafter(config.ngram_min, config.ngram_max)}
+        """`head`: the draft head's folder; it brings the "head" and "combined" drafters (as the service
+        builds them: the combined one shares the n-gram drafter)."""
+        ngram = NgramDrafter(config.ngram_min, config.ngram_max)
+        drafters: dict[str, Drafter] = {"ngram": ngram}
+        if head is not None:
+            head_drafter = HeadDrafter(target, head)
+            drafters["head"] = head_drafter
+            drafters["combined"] = CombinedDrafter(ngram, head_drafter)
         if draft is not None:
             drafters["model"] = ModelDrafter(draft)
         costs = measure_forward_costs(target.model, config.speculative().num_speculative_tokens + 1)

@@ -293,10 +293,11 @@ def markdown(points: list[Point], goals: list[dict], meta: dict) -> str:
         "",
         f"Each client streams {meta['requests']} chat completion(s) of up to {meta['max_tokens']} tokens in a "
         "row (greedy, grounded prompts). ITL: gap between content chunks; TPOT: mean time per token after "
-        "the first; tok/fwd: generated tokens per target forward row (server counters).",
+        "the first; tok/fwd: generated tokens per target forward row; kept: (accepted + rescued) / drafted "
+        "(server counters).",
         "",
         "| config | clients | tok/s | vs one-at-a-time | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT (ms) "
-        "| tok/fwd | accept | errors |",
+        "| tok/fwd | kept | errors |",
         "|---|---:|---:|---:|---|---|---:|---:|---:|---:|",
     ]
     base = {p.clients: p.tokens_per_s for p in points if p.config == "one-at-a-time"}
@@ -304,14 +305,14 @@ def markdown(points: list[Point], goals: list[dict], meta: dict) -> str:
         vs = f"{p.tokens_per_s / base[p.clients]:.2f}x" if base.get(p.clients) else "-"
         s = p.server
         tok_fwd = f"{s['generation_tokens'] / s['forwards']:.2f}" if s.get("forwards") else "-"
-        accept = (
+        kept = (
             f"{(s['accepted_tokens'] + s['rescued_tokens']) / s['draft_tokens']:.2f}"
             if s.get("draft_tokens")
             else "-"
         )
         lines.append(
             f"| {p.config} | {p.clients} | {p.tokens_per_s:.1f} | {vs} | {_ms(p.ttft_p50_s)} / {_ms(p.ttft_p99_s)} "
-            f"| {_ms(p.itl_p50_s)} / {_ms(p.itl_p99_s)} | {_ms(p.tpot_mean_s)} | {tok_fwd} | {accept} | {p.errors} |"
+            f"| {_ms(p.itl_p50_s)} / {_ms(p.itl_p99_s)} | {_ms(p.tpot_mean_s)} | {tok_fwd} | {kept} | {p.errors} |"
         )
     if goals:
         lines += ["", "| goal | measured | met |", "|---|---|---|"]

@@ -92,13 +92,22 @@ class Aggregate:
 
     @property
     def acceptance_rate(self) -> float | None:
-        """(accepted + rescued) / drafted."""
+        """accepted / drafted: strict, rescued tokens are not accepted (vLLM's definition, as in
+        `GenerationStats.acceptance_rate`)."""
+        if not self.draft_tokens:
+            return None
+        return (self.accepted or 0) / self.draft_tokens
+
+    @property
+    def kept_rate(self) -> float | None:
+        """(accepted + rescued) / drafted: what CSD keeps of the drafts (`GenerationStats.kept_rate`)."""
         if not self.draft_tokens:
             return None
         return ((self.accepted or 0) + (self.rescued or 0)) / self.draft_tokens
 
     @property
     def rescue_rate(self) -> float | None:
+        """rescued / drafted."""
         if not self.draft_tokens:
             return None
         return (self.rescued or 0) / self.draft_tokens

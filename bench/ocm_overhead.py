@@ -42,6 +42,7 @@ from service.decoding import (  # noqa: E402
     SamplingParams,
     SpeculativeConfig,
     load_model,
+    run_alone,
     vocabulary_hash,
 )
 from service.decoding.text import encode_chat  # noqa: E402
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace, url: str | None) -> dict:
         for i, ids in enumerate(inputs):
             generation = engine.generate(ids, sampling, spec)
             before = 0.0
-            for step in generation:
+            for step in run_alone(generation):
                 step_seconds = generation.stats.decode_seconds - before
                 before = generation.stats.decode_seconds
                 steps += 1

@@ -103,7 +103,7 @@ def online_learning(report: dict, path: Path) -> None:
     window = max(3, replay["prompts"] // 3)
     references = report.get("replay_references", {})
     panels = [
-        ("acceptance_rate", "acceptance rate", references.get("sd_acceptance_rate"), "sd (grounded)"),
+        ("kept_rate", "kept rate\n(accepted + rescued)", references.get("sd_kept_rate"), "sd (grounded)"),
         ("rescue_rate", "rescue rate", None, None),
         ("tokens_per_second", "tokens/s", references.get("vanilla_tokens_per_second"), "vanilla (grounded)"),
     ]

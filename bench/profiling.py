@@ -1,5 +1,6 @@
-"""What limits the speedup: the cost of a target forward by the number of tokens it verifies, where the
-decoding time goes, and the heaviest operators over a few rounds (torch profiler).
+"""What limits the speedup: the cost of a target forward by the number of tokens it verifies, the cost of each
+drafter's proposal against it, where the decoding time goes, and the heaviest operators over a few rounds
+(torch profiler).
 
 Speculation pays when verifying k + 1 tokens costs about as much as one; on a memory-bound GPU it nearly does,
 on a compute-bound CPU it may not. These figures say which case this machine is.
@@ -16,7 +17,8 @@ from transformers import DynamicCache
 from bench.context import Bench
 from bench.runners import MethodSpec
 from bench.workloads import load_workload
-from service.decoding import Method
+from service.decoding import Method, SamplingParams
+from service.decoding.drafters import DraftRow
 from service.decoding.kv_cache import crop_cache
 
 SD = MethodSpec("sd", "engine", Method.SD, "ngram")
@@ -58,6 +60,47 @@ def lm_head_cost(bench: Bench, sizes: list[int], repeats: int) -> dict[int, floa
                 head(rows[n])
                 times[n].append(time.perf_counter() - started)
     return {n: statistics.median(t) for n, t in times.items()}
+
+
+def drafter_cost(bench: Bench, prompt_ids: list[int], k: int, repeats: int) -> dict[str, dict]:
+    """Per drafter: median seconds of one proposal for a single row drafting 1..k tokens, through the drafter's
+    own `rows().propose()` (what the batch calls each round), after the target has read the prompt.
+
+    The row's state is warmed by one untimed proposal (the n-gram index, a draft model's cache of the prompt),
+    and the same committed tokens are proposed for again each time, so every timed call is a steady-state
+    round. Per draft token: a full draft's time over its k tokens (fixed costs included)."""
+    model = bench.target.model
+    device = bench.target.device
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt_ids], device=device), logits_to_keep=1)
+        latest = bench.target.final_hidden.latest
+        assert latest is not None
+        hidden = latest[0, -1].clone()  # what the batch hands a head drafter: [hidden]
+    sampling = SamplingParams(max_tokens=k)
+    costs: dict[str, dict] = {}
+    for name, drafter in bench.drafters.items():
+        rows = drafter.rows()
+        sequence = object()
+        rows.prefill(sequence, prompt_ids[:-1])
+
+        def propose(n: int) -> None:
+            rows.propose([DraftRow(sequence, prompt_ids, n, sampling, None, hidden)])  # noqa: B023
+
+        propose(k)
+        times: dict[int, list[float]] = {n: [] for n in range(1, k + 1)}
+        for _ in range(repeats):
+            for n in times:
+                started = time.perf_counter()
+                propose(n)
+                times[n].append(time.perf_counter() - started)
+        rows.leave(sequence)
+        by_tokens = {n: statistics.median(t) for n, t in times.items()}
+        costs[name] = {
+            "identity": drafter.identity,
+            "seconds_by_tokens": {str(n): s for n, s in by_tokens.items()},
+            "seconds_per_draft_token": by_tokens[k] / k,
+        }
+    return costs
 
 
 def time_in_forward(bench: Bench, prompt_ids: list[int]) -> dict:
@@ -115,13 +158,19 @@ def run_profile(bench: Bench) -> dict:
     ids = prompt.token_ids(bench.target.tokenizer)
     k = bench.config.num_speculative_tokens
     sizes = sorted({1, 2, 4, k + 1})
-    costs = forward_cost(bench, ids, sizes, repeats=3 if bench.config.quick else 15)
+    repeats = 3 if bench.config.quick else 15
+    costs = forward_cost(bench, ids, sizes, repeats=repeats)
+    drafters = drafter_cost(bench, ids, k, repeats=repeats) if k else {}
+    for cost in drafters.values():
+        # the line the report prints: a draft token's cost in units of the one-token forward it may save
+        cost["share_of_forward"] = cost["seconds_per_draft_token"] / costs[1]
     return {
         "prompt_id": prompt.id,
         "prompt_tokens": len(ids),
         "forward_seconds_by_tokens": {str(n): s for n, s in costs.items()},
         # cost of verifying a full draft relative to one plain decoding step
         "full_draft_cost_ratio": costs[k + 1] / costs[1],
+        "drafter_cost": drafters,
         "lm_head_seconds_by_tokens": {
             str(n): s for n, s in lm_head_cost(bench, sizes, repeats=3 if bench.config.quick else 15).items()
         },

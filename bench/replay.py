@@ -41,14 +41,11 @@ def run_replay(bench: Bench) -> dict:
                     "tokens": out.tokens,
                     "tokens_per_second": out.tokens / out.seconds if out.seconds > 0 else 0.0,
                     "tokens_per_forward": out.tokens / out.target_forwards if out.target_forwards else 0.0,
-                    "acceptance_rate": ((out.accepted or 0) + (out.rescued or 0)) / drafted
-                    if drafted
-                    else None,
+                    # (accepted + rescued) / drafted: rescues are what the OCM learns to add
+                    "kept_rate": ((out.accepted or 0) + (out.rescued or 0)) / drafted if drafted else None,
                     "rescue_rate": (out.rescued or 0) / drafted if drafted else None,
                     # over every request so far: what a dashboard counter would show
-                    "cumulative_acceptance_rate": totals["kept"] / totals["drafted"]
-                    if totals["drafted"]
-                    else None,
+                    "cumulative_kept_rate": totals["kept"] / totals["drafted"] if totals["drafted"] else None,
                     "cumulative_rescue_rate": totals["rescued"] / totals["drafted"]
                     if totals["drafted"]
                     else None,

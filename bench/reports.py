@@ -1,7 +1,10 @@
-"""The report: the issue's goals judged against the measured figures, a markdown version, and the JSON file.
+"""The report: the issues' goals judged against the measured figures, a markdown version, and the JSON file.
 
 Nothing here invents a number: every figure comes from the run's report dict, and a goal that the run did not
-measure (its workload was left out) is "not measured", never met.
+measure (its workload was left out, or there was no draft head) is "not measured", never met.
+
+Goals of issue 8 judge CSD with the n-gram drafter (prompt lookup); those of issue 11 the trained draft head
+(`sd-head`, `csd-head`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ import json
 from pathlib import Path
 
 GOAL_WORKLOAD = "grounded"
+HEAD_WORKLOAD = "chat"  # where prompt lookup has nothing to copy: the head's reason to exist
+# the drafters compared per workload: drafter -> (strict column, csd column)
+DRAFTER_COLUMNS = {"ngram": ("sd", "csd"), "head": ("sd-head", "csd-head"), "combined": ("sd-combined", "csd-combined")}  # fmt: skip
 
 
 # ---------------------------------------------------------------- goals
@@ -19,9 +25,10 @@ def _row(report: dict, workload: str, method: str) -> dict | None:
     return report["workloads"].get(workload, {}).get("methods", {}).get(method)
 
 
-def _goal(goal: str, met: bool | None, measured: str, note: str = "") -> dict:
+def _goal(goal: str, met: bool | None, measured: str, note: str = "", issue: int = 8) -> dict:
     return {
         "goal": goal,
+        "issue": issue,
         "status": {True: "met", False: "missed", None: "not measured"}[met],
         "measured": measured,
         "note": note,
@@ -36,34 +43,106 @@ def _pooled(report: dict, method: str, key: str) -> float | None:
     return sum(r[key] * r["prompts"] for r in rows) / n if n else None
 
 
+def _totals(report: dict, method: str) -> dict | None:
+    """tokens, seconds and target forwards of `method` summed over every workload, with the two ratios."""
+    rows = [w["methods"][method] for w in report["workloads"].values() if method in w["methods"]]
+    if not rows:
+        return None
+    tokens = sum(r["tokens"] for r in rows)
+    seconds = sum(r["seconds"] for r in rows)
+    forwards = sum(r.get("target_forwards") or r["tokens"] * r["forwards_per_token"] for r in rows)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "target_forwards": forwards,
+        "tokens_per_forward": tokens / forwards if forwards else None,
+        "tokens_per_second": tokens / seconds if seconds else None,
+    }
+
+
+def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+    if not a or not b or a.get(key) is None or not b.get(key):
+        return None
+    return a[key] / b[key]
+
+
+def _lossless_goal(lossless: dict, goal: str, methods: set[str] | None, issue: int) -> dict:
+    """`methods`: the columns judged (None: every strict-SD column of ours)."""
+    if methods is None:
+        checked, bad = lossless["checked"], lossless["mismatches"]
+    else:
+        counts = [c for m, c in lossless.get("methods", {}).items() if m in methods]
+        checked = sum(c["checked"] for c in counts)
+        bad = [m for m in lossless["mismatches"] if m.get("method") in methods]
+    if not checked:
+        return _goal(goal, None, "-", issue=issue)
+    return _goal(
+        goal,
+        not bad,
+        f"{checked - len(bad)}/{checked} identical",
+        "; ".join(
+            f"{m.get('method', 'sd')} on {m['prompt_id']}: token {m['position']}, logit gap {m['logit_gap']}"
+            for m in bad[:5]
+        ),
+        issue,
+    )
+
+
+def _qa_goal(report: dict, label: str, issue: int) -> dict:
+    goal = f"{label} QA accuracy not below vanilla by more than 2 points"
+    qa_v, qa_c = _row(report, "qa", "vanilla"), _row(report, "qa", label)
+    if not (qa_v and qa_c and qa_c.get("task_diff_vs_vanilla") is not None):
+        return _goal(goal, None, "-", issue=issue)
+    diff = qa_c["task_diff_vs_vanilla"]
+    low, high = qa_c["task_diff_interval"]
+    return _goal(
+        goal,
+        diff >= -0.02,
+        f"{qa_c['task_score']:.1%} vs {qa_v['task_score']:.1%} (difference {diff * 100:+.1f} points, "
+        f"95% paired bootstrap [{low * 100:+.1f}, {high * 100:+.1f}], n={qa_c['prompts']})",
+        "judged on the point estimate; "
+        + (
+            "the interval clears -2 points" if low >= -0.02 else "the interval does not exclude a larger drop"
+        ),
+        issue,
+    )
+
+
+def _similarity_goal(report: dict, label: str, issue: int) -> dict:
+    sim = _pooled(report, label, "similarity")
+    return _goal(
+        f"{label} mean semantic similarity to vanilla >= 0.9 (all workloads)",
+        None if sim is None else sim >= 0.9,
+        "-" if sim is None else f"{sim:.3f}",
+        issue=issue,
+    )
+
+
 def evaluate_goals(report: dict) -> list[dict]:
+    return ngram_goals(report) + head_goals(report)
+
+
+def ngram_goals(report: dict) -> list[dict]:
+    """Issue 8: CSD with the calibrated OCM and the n-gram drafter."""
     goals = []
     lossless = report.get("lossless")
     if lossless:
-        bad = lossless["mismatches"]
         goals.append(
-            _goal(
-                "sd output identical to vanilla at temperature 0 on every prompt",
-                not bad,
-                f"{lossless['checked'] - len(bad)}/{lossless['checked']} identical",
-                "; ".join(
-                    f"{m['prompt_id']}: token {m['position']}, logit gap {m['logit_gap']}" for m in bad[:5]
-                ),
+            _lossless_goal(
+                lossless,
+                "sd output identical to vanilla at temperature 0 on every prompt (every strict-SD column)",
+                None,
+                8,
             )
         )
     w = GOAL_WORKLOAD
     vanilla, sd, csd, peer = (_row(report, w, m) for m in ("vanilla", "sd", "csd", "hf-pld"))
 
-    def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
-        if not a or not b or not b.get(key):
-            return None
-        return a[key] / b[key]
-
     for row, goal_text, threshold in (
         (sd, "sd throughput >= 1.5x vanilla on the grounded suite", 1.5),
         (csd, "csd throughput >= 2x vanilla on the grounded suite", 2.0),
     ):
-        value = ratio(row, vanilla, "tokens_per_second")
+        value = _ratio(row, vanilla, "tokens_per_second")
         goals.append(
             _goal(
                 goal_text,
@@ -75,7 +154,7 @@ def evaluate_goals(report: dict) -> list[dict]:
         (sd, "sd throughput >= transformers prompt-lookup (hf-pld) on the grounded suite", 1.0),
         (csd, "csd throughput >= 1.3x transformers prompt-lookup (hf-pld) on the grounded suite", 1.3),
     ):
-        value = ratio(row, peer, "tokens_per_second")
+        value = _ratio(row, peer, "tokens_per_second")
         goals.append(
             _goal(
                 goal_text,
@@ -83,7 +162,7 @@ def evaluate_goals(report: dict) -> list[dict]:
                 "-" if value is None else f"{value:.2f}x",
             )
         )
-    value = ratio(csd, sd, "tokens_per_forward")
+    value = _ratio(csd, sd, "tokens_per_forward")
     goals.append(
         _goal(
             "csd mean accepted tokens per target forward >= 1.3x sd's (grounded)",
@@ -93,26 +172,7 @@ def evaluate_goals(report: dict) -> list[dict]:
             else f"{value:.2f}x ({csd['tokens_per_forward']:.2f} vs {sd['tokens_per_forward']:.2f})",  # type: ignore[index]
         )
     )
-    qa_v, qa_c = _row(report, "qa", "vanilla"), _row(report, "qa", "csd")
-    if qa_v and qa_c:
-        diff = qa_c["task_diff_vs_vanilla"]
-        low, high = qa_c["task_diff_interval"]
-        goals.append(
-            _goal(
-                "csd QA accuracy not below vanilla by more than 2 points",
-                diff >= -0.02,
-                f"{qa_c['task_score']:.1%} vs {qa_v['task_score']:.1%} (difference {diff * 100:+.1f} points, "
-                f"95% paired bootstrap [{low * 100:+.1f}, {high * 100:+.1f}], n={qa_c['prompts']})",
-                "judged on the point estimate; "
-                + (
-                    "the interval clears -2 points"
-                    if low >= -0.02
-                    else "the interval does not exclude a larger drop"
-                ),
-            )
-        )
-    else:
-        goals.append(_goal("csd QA accuracy not below vanilla by more than 2 points", None, "-"))
+    goals.append(_qa_goal(report, "csd", 8))
     he_v, he_c = _row(report, "humaneval", "vanilla"), _row(report, "humaneval", "csd")
     goals.append(
         _goal(
@@ -123,14 +183,7 @@ def evaluate_goals(report: dict) -> list[dict]:
             else f"{he_c['task_score']:.1%} vs {he_v['task_score']:.1%} (n={he_c['prompts']})",
         )
     )
-    sim = _pooled(report, "csd", "similarity")
-    goals.append(
-        _goal(
-            "csd mean semantic similarity to vanilla >= 0.9 (all workloads)",
-            None if sim is None else sim >= 0.9,
-            "-" if sim is None else f"{sim:.3f}",
-        )
-    )
+    goals.append(_similarity_goal(report, "csd", 8))
     rows = [wl["methods"]["csd"] for wl in report["workloads"].values() if "csd" in wl["methods"]]
     ocm = sum(r["ocm_seconds"] for r in rows)
     decode = sum(r["decode_seconds"] for r in rows)
@@ -142,6 +195,165 @@ def evaluate_goals(report: dict) -> list[dict]:
         )
     )
     return goals
+
+
+def _head_cost(report: dict) -> dict | None:
+    """The profile's cost of the head drafter, with the full draft's verification cost beside it."""
+    profile = report.get("profile") or {}
+    cost = (profile.get("drafter_cost") or {}).get("head")
+    if not cost:
+        return None
+    return {**cost, "full_draft_cost_ratio": profile["full_draft_cost_ratio"]}
+
+
+def _speed_reason(report: dict, row: dict) -> str:
+    """Why a head column runs at the speed it does: tokens per forward against what a round costs."""
+    cost = _head_cost(report)
+    tpf = row["tokens_per_forward"]
+    kept = f"{tpf:.2f} tokens per forward"
+    if row.get("acceptance_rate") is not None:
+        kept += f" ({row['acceptance_rate']:.0%} of draft tokens accepted)"
+    if not cost:
+        return kept
+    k = int(max(cost["seconds_by_tokens"], key=int))
+    round_cost = cost["full_draft_cost_ratio"] + k * cost["share_of_forward"]
+    return (
+        f"{kept}; a full round costs a {k + 1}-token forward ({cost['full_draft_cost_ratio']:.2f}x a one-token "
+        f"one) plus {k} head steps ({k} x {cost['share_of_forward']:.1%}), about {round_cost:.2f} one-token "
+        f"forwards' time: a speedup of at most about {tpf / round_cost:.2f}x"
+    )
+
+
+def head_goals(report: dict) -> list[dict]:
+    """Issue 11: the trained draft head, strict (`sd-head`) and calibrated (`csd-head`)."""
+    skipped = (report.get("draft_head") or {}).get("skipped")
+    texts = [
+        f"sd-head >= 2.2 tokens per target forward on {HEAD_WORKLOAD}",
+        f"sd-head tokens per target forward > sd's (prompt lookup) on {GOAL_WORKLOAD}",
+        f"sd-head throughput >= 1.4x vanilla on {HEAD_WORKLOAD}",
+        "sd-head output identical to vanilla at temperature 0 on every prompt",
+        "csd-head tokens per target forward >= 1.2x sd-head's (all workloads)",
+        "csd-head QA accuracy not below vanilla by more than 2 points",
+        "csd-head mean semantic similarity to vanilla >= 0.9 (all workloads)",
+    ]
+    if skipped:
+        return [_goal(text, None, "-", f"no draft head: {skipped}", 11) for text in texts]
+    goals = []
+    head_chat = _row(report, HEAD_WORKLOAD, "sd-head")
+    goals.append(
+        _goal(
+            texts[0],
+            None if not head_chat else head_chat["tokens_per_forward"] >= 2.2,
+            "-" if not head_chat else f"{head_chat['tokens_per_forward']:.2f}",
+            f"{head_chat['acceptance_rate']:.0%} of draft tokens accepted, "
+            f"{head_chat['accepted']} of {head_chat['draft_tokens']}"
+            if head_chat and head_chat.get("acceptance_rate") is not None
+            else "",
+            11,
+        )
+    )
+    head_g, sd_g = _row(report, GOAL_WORKLOAD, "sd-head"), _row(report, GOAL_WORKLOAD, "sd")
+    goals.append(
+        _goal(
+            texts[1],
+            None if not (head_g and sd_g) else head_g["tokens_per_forward"] > sd_g["tokens_per_forward"],
+            "-"
+            if not (head_g and sd_g)
+            else f"{head_g['tokens_per_forward']:.2f} vs {sd_g['tokens_per_forward']:.2f}",
+            issue=11,
+        )
+    )
+    value = _ratio(head_chat, _row(report, HEAD_WORKLOAD, "vanilla"), "tokens_per_second")
+    goals.append(
+        _goal(
+            texts[2],
+            None if value is None else value >= 1.4,
+            "-" if value is None else f"{value:.2f}x",
+            "" if value is None else _speed_reason(report, head_chat),  # type: ignore[arg-type]
+            11,
+        )
+    )
+    lossless = report.get("lossless")
+    goals.append(
+        _lossless_goal(lossless, texts[3], {"sd-head"}, 11)
+        if lossless
+        else _goal(texts[3], None, "-", issue=11)
+    )
+    csd_t, sd_t = _totals(report, "csd-head"), _totals(report, "sd-head")
+    value = _ratio(csd_t, sd_t, "tokens_per_forward")
+    rows = [w["methods"]["csd-head"] for w in report["workloads"].values() if "csd-head" in w["methods"]]
+    drafted = sum(r.get("draft_tokens") or 0 for r in rows)
+    rescue = sum(r.get("rescued") or 0 for r in rows) / drafted if drafted else None
+    goals.append(
+        _goal(
+            texts[4],
+            None if value is None else value >= 1.2,
+            "-"
+            if value is None
+            else f"{value:.2f}x ({csd_t['tokens_per_forward']:.2f} vs {sd_t['tokens_per_forward']:.2f})",  # type: ignore[index]
+            "" if rescue is None else f"{rescue:.1%} of draft tokens rescued",
+            11,
+        )
+    )
+    goals.append(_qa_goal(report, "csd-head", 11))
+    goals.append(_similarity_goal(report, "csd-head", 11))
+    return goals
+
+
+def drafter_comparison(report: dict) -> dict[str, dict]:
+    """workload -> per drafter (n-gram, head, combined) the strict and the csd column's tok/s and tok/fwd, and
+    the best drafter of each by tok/s (what a user waits for); drafters that did not run are left out."""
+    comparison: dict[str, dict] = {}
+    for workload, data in report["workloads"].items():
+        rows = data["methods"]
+        entry: dict = {}
+        for kind, index in (("strict", 0), ("csd", 1)):
+            figures = {
+                drafter: {
+                    "method": columns[index],
+                    "tokens_per_second": rows[columns[index]]["tokens_per_second"],
+                    "tokens_per_forward": rows[columns[index]]["tokens_per_forward"],
+                }
+                for drafter, columns in DRAFTER_COLUMNS.items()
+                if columns[index] in rows
+            }
+            entry[kind] = figures
+            entry[f"best_{kind}"] = (
+                max(figures, key=lambda d: figures[d]["tokens_per_second"]) if figures else None
+            )
+        comparison[workload] = entry
+    return comparison
+
+
+def fact_guard_effect(
+    report: dict, guarded: str = "csd-head", unguarded: str = "csd-head-unguarded"
+) -> dict | None:
+    """The guard's benefit (fact-changing rescues with vs without it, per 1000 generated tokens) and cost
+    (tokens per forward and tokens/s with vs without), pooled over every workload."""
+    facts = report.get("fact_changes") or {}
+    if guarded not in facts or unguarded not in facts:
+        return None
+    with_, without = _totals(report, guarded), _totals(report, unguarded)
+    if not with_ or not without:
+        return None
+
+    def side(label: str, totals: dict) -> dict:
+        changed = facts[label]["fact_changing"]
+        return {
+            "method": label,
+            "rescues": facts[label]["rescues"],
+            "fact_changing": changed,
+            "fact_changing_per_1000_tokens": 1000 * changed / totals["tokens"] if totals["tokens"] else None,
+            "tokens_per_forward": totals["tokens_per_forward"],
+            "tokens_per_second": totals["tokens_per_second"],
+        }
+
+    return {
+        "with": side(guarded, with_),
+        "without": side(unguarded, without),
+        "tokens_per_forward_ratio": _ratio(with_, without, "tokens_per_forward"),
+        "tokens_per_second_ratio": _ratio(with_, without, "tokens_per_second"),
+    }
 
 
 def limits(report: dict) -> list[str]:
@@ -205,6 +417,24 @@ def limits(report: dict) -> list[str]:
             f"costs that bounds its speedup near {sd['tokens_per_forward'] / profile['full_draft_cost_ratio']:.2f}x "
             f"(full drafts) to {sd['tokens_per_forward']:.2f}x (free verification)."
         )
+    head = _row(report, HEAD_WORKLOAD, "sd-head")
+    if head and _head_cost(report):
+        lines.append(f"sd-head on the {HEAD_WORKLOAD} suite: {_speed_reason(report, head)}.")
+    return lines
+
+
+def drafter_cost_lines(report: dict) -> list[str]:
+    """Per drafter, from the profile: "drafter cost per draft token = X ms = Y % of a target forward"."""
+    profile = report.get("profile") or {}
+    one = profile.get("forward_seconds_by_tokens", {}).get("1")
+    lines = []
+    for name, cost in (profile.get("drafter_cost") or {}).items():
+        by_tokens = ", ".join(f"{n} -> {s * 1000:.3g} ms" for n, s in cost["seconds_by_tokens"].items())
+        lines.append(
+            f"{name}: drafter cost per draft token = {cost['seconds_per_draft_token'] * 1000:.3g} ms = "
+            f"{cost['share_of_forward']:.2%} of a target forward ({one * 1000:.1f} ms for one token); one "
+            f"proposal of 1..k tokens: {by_tokens}"
+        )
     return lines
 
 
@@ -226,7 +456,7 @@ def _task(row: dict) -> str:
     return f"{row['task_score'] * 100:.1f}% [{low * 100:.0f}–{high * 100:.0f}]"
 
 
-COLUMNS = "| workload | method | tok/s | speedup | tok/fwd | accept | rescue | fwd/tok | OCM | task [95% CI] | exact | loglik/tok | sim |"
+COLUMNS = "| workload | method | tok/s | speedup | tok/fwd | accept | kept | rescue | fwd/tok | OCM | task [95% CI] | exact | loglik/tok | sim |"
 
 
 def main_table(report: dict) -> str:
@@ -239,37 +469,106 @@ def main_table(report: dict) -> str:
             lines.append(
                 f"| {workload} ({r['prompts']}) | {method} | {r['tokens_per_second']:.1f} | "
                 f"{_num(r['speedup'], '.2f')}x | {r['tokens_per_forward']:.2f} | {_pct(r['acceptance_rate'])} | "
-                f"{_pct(r['rescue_rate'])} | {r['forwards_per_token']:.3f} | {_pct(r['ocm_share'], 3)} | {task} | "
-                f"{_pct(r['exact_match'], 0)} | {_num(r['loglik_per_token'], '.3f')} | {_num(r['similarity'], '.3f')} |"
+                f"{_pct(r.get('kept_rate'))} | {_pct(r['rescue_rate'])} | {r['forwards_per_token']:.3f} | "
+                f"{_pct(r['ocm_share'], 3)} | {task} | {_pct(r['exact_match'], 0)} | "
+                f"{_num(r['loglik_per_token'], '.3f')} | {_num(r['similarity'], '.3f')} |"
             )
     return "\n".join(lines)
 
 
 def goals_table(goals: list[dict]) -> str:
-    lines = ["| goal | status | measured |", "|---|---|---|"]
+    lines = ["| issue | goal | status | measured |", "|---|---|---|---|"]
     for g in goals:
         note = f" ({g['note']})" if g["note"] else ""
-        lines.append(f"| {g['goal']} | **{g['status']}** | {g['measured']}{note} |")
+        lines.append(f"| {g.get('issue', 8)} | {g['goal']} | **{g['status']}** | {g['measured']}{note} |")
     return "\n".join(lines)
 
 
 COLUMN_HELP = """\
 Columns: **tok/s** generated tokens over wall time of the whole call (prefill included), summed over the
 workload's prompts; **speedup** tok/s over vanilla's on the same prompts; **tok/fwd** mean tokens emitted per
-target forward (accepted + rescued + the recovered/bonus token; about 1.00 for vanilla); **accept** (accepted +
-rescued) / drafted; **rescue** rescued / drafted; **fwd/tok** target forwards per generated token; **OCM** time in
+target forward (accepted + rescued + the recovered/bonus token; about 1.00 for vanilla); **accept** accepted /
+drafted (strict, vLLM's acceptance rate: a rescued token is not accepted); **kept** (accepted + rescued) /
+drafted; **rescue** rescued / drafted; **fwd/tok** target forwards per generated token; **OCM** time in
 the correction memory over decoding time; **task** QA accuracy (answer string in the output), HumanEval
 pass@1 (its own harness) or math accuracy (last number), with a 95% Wilson interval; **exact** share of prompts
 whose tokens equal vanilla's; **loglik/tok** mean target log-likelihood per generated token (one teacher-forced
 forward); **sim** mean cosine similarity to vanilla's text (all-MiniLM-L6-v2). Methods: `vanilla` plain target
 decoding; `sd` strict speculative decoding; `lossy` the paper's static baseline (p(draft) >= 0.6 p(top));
 `csd-cold` CSD from an empty OCM; `csd` CSD from the calibrated OCM (both keep learning online per workload);
-`hf-greedy` / `hf-pld` transformers' `generate` plain / with `prompt_lookup_num_tokens`; `*-model` the same with
-the draft model; `hf-assisted` transformers with `assistant_model`. n-gram drafter unless marked."""
+`*-adaptive` with the service's cost-aware draft policy; `hf-greedy` / `hf-pld` transformers' `generate` plain /
+with `prompt_lookup_num_tokens`; `*-head` the trained draft head as drafter, `*-combined` prompt lookup where it
+matches >= 3 tokens and the head elsewhere (each calibrated on its own OCM namespace), `csd-head-unguarded`
+csd-head without the fact guard; `*-model` the draft model; `hf-assisted` transformers with `assistant_model`.
+n-gram drafter (prompt lookup) unless marked. CSD never rescues a number, negation or name (the fact guard)
+except in `-unguarded` columns."""
+
+
+def comparison_table(comparison: dict[str, dict]) -> str:
+    """Per workload, each drafter's strict and csd column (tok/s, tok/fwd) and the best by tok/s."""
+    drafters = [
+        d for d in DRAFTER_COLUMNS if any(d in c["strict"] or d in c["csd"] for c in comparison.values())
+    ]
+    header = "| workload | " + " | ".join(
+        f"{DRAFTER_COLUMNS[d][0]} | {DRAFTER_COLUMNS[d][1]}" for d in drafters
+    )
+    lines = [header + " | best strict | best csd |", "|---" * (2 * len(drafters) + 3) + "|"]
+    for workload, c in comparison.items():
+        cells = []
+        for d in drafters:
+            for kind in ("strict", "csd"):
+                f = c[kind].get(d)
+                cells.append(
+                    "–" if f is None else f"{f['tokens_per_second']:.1f} tok/s, {f['tokens_per_forward']:.2f}"
+                )
+        lines.append(
+            f"| {workload} | "
+            + " | ".join(cells)
+            + f" | {c['best_strict'] or '–'} | {c['best_csd'] or '–'} |"
+        )
+    return "\n".join(lines)
+
+
+def fact_changes_section(report: dict) -> list[str]:
+    facts = report.get("fact_changes") or {}
+    if not facts:
+        return []
+    parts = [
+        "",
+        "## Rescues that change facts",
+        "",
+        "Rescues whose kept draft token or replaced target token is a number, a negation or a name "
+        "(`service/decoding/fact_guard.py`, on the two tokens' texts), counted over every workload's outputs.",
+        "",
+        "| method | fact guard | rescues | fact-changing | share | number | negation | name | most frequent |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, f in facts.items():
+        examples = ", ".join(f"{e['kept']!r}->{e['replaced']!r} x{e['count']}" for e in f["examples"][:4])
+        parts.append(
+            f"| {label} | {'on' if f['guarded'] else 'off'} | {f['rescues']} | {f['fact_changing']} | "
+            f"{_pct(f['share'])} | {f['by_class']['number']} | {f['by_class']['negation']} | "
+            f"{f['by_class']['name']} | {examples or '–'} |"
+        )
+    guard = report.get("fact_guard")
+    if guard:
+        w, wo = guard["with"], guard["without"]
+        parts += [
+            "",
+            f"The guard's benefit: {w['fact_changing']} fact-changing rescues in `{w['method']}` "
+            f"({_num(w['fact_changing_per_1000_tokens'], '.2f')} per 1000 tokens) against {wo['fact_changing']} in "
+            f"`{wo['method']}` ({_num(wo['fact_changing_per_1000_tokens'], '.2f')}). Its cost: "
+            f"{_num(w['tokens_per_forward'], '.2f')} vs {_num(wo['tokens_per_forward'], '.2f')} tokens per "
+            f"forward ({_num(guard['tokens_per_forward_ratio'], '.3f')}x), {_num(w['tokens_per_second'], '.1f')} vs "
+            f"{_num(wo['tokens_per_second'], '.1f')} tok/s ({_num(guard['tokens_per_second_ratio'], '.3f')}x); "
+            "all workloads pooled.",
+        ]
+    return parts
 
 
 def markdown(report: dict) -> str:
     meta = report["meta"]
+    skipped = (report.get("draft_head") or {}).get("skipped")
     parts = [
         f"# Benchmark {meta['started']}{' (--quick)' if report['config']['quick'] else ''}",
         "",
@@ -277,7 +576,8 @@ def markdown(report: dict) -> str:
         "",
         f"Machine: {meta['machine_line']}",
         "",
-        f"Model: {meta['target']} (target){', ' + meta['draft'] + ' (draft)' if meta.get('draft') else ''}; "
+        f"Model: {meta['target']} (target){', ' + meta['draft'] + ' (draft)' if meta.get('draft') else ''}"
+        f"{', ' + report['draft_head']['identity'] + ' (draft head)' if (report.get('draft_head') or {}).get('identity') else ''}; "
         f"greedy; max_tokens {report['config']['max_tokens']}; num_speculative_tokens "
         f"{report['config']['num_speculative_tokens']}, lambda {report['config']['lambda_']:g}, tau "
         f"{report['config']['tau']:g}; wall time {meta['wall_seconds']:.0f} s ("
@@ -286,9 +586,13 @@ def markdown(report: dict) -> str:
         "",
         main_table(report),
         "",
+    ]
+    if skipped:
+        parts += [f"_Head / combined columns skipped: {skipped}._", ""]
+    parts += [
         COLUMN_HELP,
         "",
-        "## Goals (issue 8; CSD with the calibrated OCM, n-gram drafter)",
+        "## Goals (issue 8: CSD with the calibrated OCM, n-gram drafter; issue 11: the trained draft head)",
         "",
         goals_table(report["goals"]),
     ]
@@ -299,11 +603,33 @@ def markdown(report: dict) -> str:
         ]
     if any(g["status"] == "missed" for g in report["goals"]) and report.get("limits"):
         parts += ["", "## What limits the speed", ""] + [f"- {line}" for line in report["limits"]]
+    comparison = report.get("drafter_comparison")
+    if comparison and any(len(c["strict"]) > 1 for c in comparison.values()):
+        parts += [
+            "",
+            "## Drafters compared (tok/s, tokens per forward; best by tok/s)",
+            "",
+            comparison_table(comparison),
+        ]
+    costs = drafter_cost_lines(report)
+    if costs:
+        parts += ["", "## Drafter cost (profile)", ""] + [f"- {line}" for line in costs]
+        if "combined" in report["profile"]["drafter_cost"]:
+            parts.append(
+                "- (combined: the cost of whichever drafter it picks on the profile's prompt, plus the n-gram "
+                "lookup.)"
+            )
     lossless = report.get("lossless")
     if lossless:
         parts += ["", "## Lossless check", ""]
+        per_method = ", ".join(
+            f"{m} {c['checked'] - c['mismatches']}/{c['checked']}"
+            for m, c in lossless.get("methods", {}).items()
+        )
         parts.append(
-            f"sd vs vanilla on {lossless['checked']} prompt runs: "
+            f"Strict SD vs vanilla on {lossless['checked']} prompt runs"
+            + (f" ({per_method})" if per_method else "")
+            + ": "
             + ("all identical." if lossless["passed"] else f"{len(lossless['mismatches'])} differ:")
         )
         for m in lossless["mismatches"] + lossless["peer_mismatches"]:
@@ -316,24 +642,28 @@ def markdown(report: dict) -> str:
             parts.append("(hf-* rows: the peer's own lossless modes, shown for comparison, not a goal.)")
     cal = report.get("calibration")
     if cal:
-        parts += ["", "## Calibration", ""]
+        parts += ["", "## Calibration (one OCM namespace per drafter)", ""]
         for name, c in cal["drafters"].items():
             parts.append(
                 f"- {name}: {c['prompts']} prompts, {c['divergences']} divergences recorded, {c['patterns']} "
                 f"distinct patterns, {c['patterns_over_lambda']} seen more than lambda times."
+                + (
+                    " Most frequent (draft -> target): "
+                    + ", ".join(f"{p['draft']!r}->{p['target']!r} x{p['count']}" for p in c["top"][:10])
+                    if c.get("top")
+                    else ""
+                )
             )
         parts.append(f"- {cal['seconds']:.0f} s in all.")
-        if cal.get("top"):
+    rescued = {label: patterns for label, patterns in (report.get("rescued") or {}).items() if patterns}
+    if rescued:
+        parts += ["", "## Most rescued patterns (kept draft token -> the target's choice it replaced)", ""]
+        for label, patterns in rescued.items():
             parts.append(
-                "- most frequent patterns (draft -> target): "
-                + ", ".join(f"{p['draft']!r}->{p['target']!r} x{p['count']}" for p in cal["top"][:10])
+                f"- `{label}`: "
+                + ", ".join(f"{p['kept']!r}->{p['replaced']!r} x{p['count']}" for p in patterns[:10])
             )
-    if report.get("rescued"):
-        parts += [
-            "",
-            "Most rescued tokens in `csd` outputs (kept -> target's choice): "
-            + ", ".join(f"{p['kept']!r}->{p['replaced']!r} x{p['count']}" for p in report["rescued"][:10]),
-        ]
+    parts += fact_changes_section(report)
     sweep = report.get("sweep")
     if sweep:
         parts += [
@@ -341,13 +671,14 @@ def markdown(report: dict) -> str:
             f"## tau / lambda sweep ({len(sweep['prompts'])} prompts; vanilla QA accuracy "
             f"{_pct(sweep['vanilla_qa_accuracy'], 0)})",
             "",
-            "| tau | lambda | tok/fwd | speedup | accept | rescue | exact | sim | QA acc |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| tau | lambda | tok/fwd | speedup | accept | kept | rescue | exact | sim | QA acc |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for p in sweep["points"]:
             parts.append(
                 f"| {p['tau']:g} | {p['lambda']:g} | {p['tokens_per_forward']:.2f} | {_num(p['speedup'], '.2f')}x | "
-                f"{_pct(p['acceptance_rate'])} | {_pct(p['rescue_rate'])} | {_pct(p['exact_match'], 0)} | "
+                f"{_pct(p['acceptance_rate'])} | {_pct(p.get('kept_rate'))} | {_pct(p['rescue_rate'])} | "
+                f"{_pct(p['exact_match'], 0)} | "
                 f"{p['similarity']:.3f} | {_pct(p['qa_accuracy'], 0)} |"
             )
     replay = report.get("replay")
@@ -361,13 +692,13 @@ def markdown(report: dict) -> str:
             f"## Online learning ({replay['prompts']} grounded prompts x {replay['passes']} passes, cold OCM)",
             "",
         ]
-        parts += ["| pass | acceptance | rescue | tok/s | patterns at end |", "|---|---|---|---|---|"]
+        parts += ["| pass | kept | rescue | tok/s | patterns at end |", "|---|---|---|---|---|"]
         for number, rs in per_pass.items():
-            drafted = [r for r in rs if r["acceptance_rate"] is not None]
-            acc = sum(r["acceptance_rate"] for r in drafted) / len(drafted) if drafted else None
+            drafted = [r for r in rs if r["kept_rate"] is not None]
+            kept = sum(r["kept_rate"] for r in drafted) / len(drafted) if drafted else None
             resc = sum(r["rescue_rate"] for r in drafted) / len(drafted) if drafted else None
             tps = sum(r["tokens_per_second"] for r in rs) / len(rs)
-            parts.append(f"| {number} | {_pct(acc)} | {_pct(resc)} | {tps:.1f} | {rs[-1]['patterns']} |")
+            parts.append(f"| {number} | {_pct(kept)} | {_pct(resc)} | {tps:.1f} | {rs[-1]['patterns']} |")
     parts += ["", "Plots: " + ", ".join(report.get("plots", [])), ""]
     return "\n".join(parts)
 

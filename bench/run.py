@@ -16,7 +16,7 @@ from tqdm import tqdm
 from bench import plots, reports
 from bench.calibration import calibrated_store, namespaces, top_patterns
 from bench.config import BenchConfig, BenchError
-from bench.context import Bench
+from bench.context import Bench, head_folder
 from bench.machine import REPO, describe, one_line, reproduce_command
 from bench.profiling import run_profile
 from bench.replay import run_replay
@@ -24,6 +24,7 @@ from bench.runners import method_specs
 from bench.suite import (
     WorkloadResult,
     acceptance_histograms,
+    fact_changes,
     lossless_check,
     rescued_examples,
     run_workload,
@@ -96,12 +97,20 @@ def run_benchmark(
         draft = load_model(config.draft_model, dtype=config.extra.get("dtype", "auto"), device=device)
     if draft is not None:
         check_same_vocabulary(target, draft)
-    specs = method_specs(with_draft_model=draft is not None, with_peer=config.peer)
+    head, head_note = head_folder(config)
+    specs = method_specs(
+        with_draft_model=draft is not None, with_peer=config.peer, with_head=head is not None
+    )
+    if config.methods:
+        unknown = sorted(set(config.methods) - {s.label for s in specs})
+        if unknown:
+            raise BenchError(f"--methods: unknown or unavailable {', '.join(unknown)}")
+        specs = [s for s in specs if s.label in config.methods]
 
     workload_prompts = {name: len(load_workload(name, config.limit)) for name in config.workloads}
     calibration_items = load_calibration(config.calibration_prompts)
     grid = len(config.sweep_taus) * len(config.sweep_lambdas)
-    n_drafters = 2 if draft is not None else 1
+    n_drafters = 1 + (draft is not None) + 2 * (head is not None)  # the head brings "head" and "combined"
     replay_prompts = len(load_workload("grounded", config.replay_prompts)) if config.replay_passes else 0
     total = (
         len(calibration_items) * n_drafters
@@ -112,8 +121,16 @@ def run_benchmark(
     )
     progress = tqdm(total=total, desc="bench", unit="gen", file=out, dynamic_ncols=True)
     clock = PhaseClock(progress)
-    bench = Bench.create(config, target, draft, progress)
-    report: dict = {"config": config.as_dict(), "methods": [_spec_dict(s) for s in specs]}
+    bench = Bench.create(config, target, draft, progress, head)
+    report: dict = {
+        "config": config.as_dict(),
+        "methods": [_spec_dict(s) for s in specs],
+        "draft_head": {
+            "folder": str(head) if head else None,
+            "identity": bench.drafters["head"].identity if head else None,
+            "skipped": head_note,
+        },
+    }
     try:
         # 1. calibration: strict SD with recording, the `csd calibrate` code path
         clock.enter("calibrate")
@@ -137,10 +154,10 @@ def run_benchmark(
                     "patterns_over_lambda": sum(
                         p.count > config.lambda_ for p in bench.calibrated.top(spaces[name], 10**9)
                     ),
+                    "top": top_patterns(bench.calibrated, spaces[name], target),
                 }
                 for name, r in cal_results.items()
             },
-            "top": top_patterns(bench.calibrated, spaces["ngram"], target),
         }
 
         # 2. warm-up (untimed) on the start of a calibration prompt, never an evaluation one; short, because
@@ -159,7 +176,8 @@ def run_benchmark(
         clock.enter("lossless check")
         report["lossless"] = lossless_check(bench, results, specs)
         report["acceptance_histograms"] = acceptance_histograms(results, specs)
-        report["rescued"] = rescued_examples(bench, results)
+        report["rescued"] = rescued_examples(bench, results, specs)
+        report["fact_changes"] = fact_changes(bench, results, specs)
 
         # 4. tau / lambda sweep
         if config.sweep_prompts:
@@ -172,7 +190,7 @@ def run_benchmark(
             report["replay"] = run_replay(bench)
             grounded = report["workloads"]["grounded"]["methods"]
             report["replay_references"] = {
-                "sd_acceptance_rate": grounded["sd"]["acceptance_rate"],
+                "sd_kept_rate": grounded["sd"]["kept_rate"],
                 "vanilla_tokens_per_second": grounded["vanilla"]["tokens_per_second"],
             }
 
@@ -184,6 +202,8 @@ def run_benchmark(
     finally:
         progress.close()
 
+    report["drafter_comparison"] = reports.drafter_comparison(report)
+    report["fact_guard"] = reports.fact_guard_effect(report)
     report["goals"] = reports.evaluate_goals(report)
     report["limits"] = reports.limits(report)
     report["meta"] = {
@@ -211,6 +231,7 @@ def _spec_dict(spec) -> dict:
         "drafter": spec.drafter,
         "ocm": spec.ocm,
         "hf_mode": spec.hf_mode,
+        "guard_facts": spec.guard_facts,
     }
 
 
@@ -233,6 +254,7 @@ def _write_outputs(path: Path, results: list[WorkloadResult], specs) -> None:
                                 "draft_tokens": out.draft_tokens,
                                 "accepted": out.accepted,
                                 "rescued": out.rescued,
+                                "rescues": out.rescues,  # [draft token kept, target token replaced]
                                 "correct": run.correct.get(spec.label),
                                 "similarity": run.similarity.get(spec.label),
                                 "loglik_per_token": run.loglik.get(spec.label),

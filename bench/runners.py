@@ -12,23 +12,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.decoding import Engine, LoadedModel, Method, SamplingParams, SpeculativeConfig
+from service.decoding import Engine, LoadedModel, Method, SamplingParams, SpeculativeConfig, run_alone
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One column of the benchmark: what runs, with which drafter and which OCM."""
+    """One column of the benchmark: what runs, with which drafter and which OCM.
 
-    label: (
-        str  # "vanilla", "sd", "lossy", "csd-cold", "csd", "hf-greedy", "hf-pld", "sd-model", "hf-assisted"
-    )
+    Labels: "vanilla", "sd", "lossy", "csd-cold", "csd", "hf-greedy", "hf-pld"; the `-adaptive` variants; with a
+    draft model "sd-model", "lossy-model", "csd-model-cold", "csd-model", "hf-assisted"; with a draft head
+    "sd-head", "csd-head", "csd-head-unguarded", "sd-combined", "csd-combined" and their `-adaptive` variants.
+    """
+
+    label: str
     runner: str  # "engine" or "hf"
     method: Method | None = None  # engine only
-    drafter: str | None = None  # "ngram" or "model"
+    drafter: str | None = None  # "ngram", "head", "combined" or "model"
     # which engine runs it: None (no OCM), "cold" (OCM empty at the start of each workload), "calibrated";
     # the "-adaptive" variants add the service's default cost-aware draft policy (service/decoding/draft_policy.py)
     ocm: str | None = None
     hf_mode: str | None = None  # hf only: "greedy", "prompt_lookup" or "assisted"
+    # CSD's fact guard (service/decoding/fact_guard.py); off only in the "-unguarded" column that measures it
+    guard_facts: bool = True
 
     @property
     def lossless(self) -> bool:
@@ -45,7 +50,7 @@ CSD_COLD = MethodSpec("csd-cold", "engine", Method.CSD, "ngram", ocm="cold")
 CSD = MethodSpec("csd", "engine", Method.CSD, "ngram", ocm="calibrated")
 
 
-def method_specs(with_draft_model: bool, with_peer: bool = True) -> list[MethodSpec]:
+def method_specs(with_draft_model: bool, with_peer: bool = True, with_head: bool = False) -> list[MethodSpec]:
     specs = [
         VANILLA,
         MethodSpec("sd", "engine", Method.SD, "ngram"),
@@ -60,6 +65,20 @@ def method_specs(with_draft_model: bool, with_peer: bool = True) -> list[MethodS
         specs += [
             MethodSpec("hf-greedy", "hf", hf_mode="greedy"),
             MethodSpec("hf-pld", "hf", hf_mode="prompt_lookup"),
+        ]
+    if with_head:
+        specs += [
+            MethodSpec("sd-head", "engine", Method.SD, "head"),
+            MethodSpec("csd-head", "engine", Method.CSD, "head", ocm="calibrated"),
+            # the same without the fact guard: what the guard blocks and what it costs
+            MethodSpec(
+                "csd-head-unguarded", "engine", Method.CSD, "head", ocm="calibrated", guard_facts=False
+            ),
+            MethodSpec("sd-combined", "engine", Method.SD, "combined"),
+            MethodSpec("csd-combined", "engine", Method.CSD, "combined", ocm="calibrated"),
+            # what `csd serve` runs by default once the embedded head exists (drafter "combined", adaptive)
+            MethodSpec("sd-combined-adaptive", "engine", Method.SD, "combined", ocm="adaptive"),
+            MethodSpec("csd-combined-adaptive", "engine", Method.CSD, "combined", ocm="calibrated-adaptive"),
         ]
     if with_draft_model:
         specs += [
@@ -110,6 +129,7 @@ def run_engine(
         lambda_=config.lambda_,
         tau=config.tau,
         lossy_threshold=config.lossy_threshold,
+        guard_facts=config.guard_facts and spec.guard_facts,
     )
     kept: Counter = Counter()
     undrafted = 0
@@ -117,7 +137,7 @@ def run_engine(
     generation = engine.generate(
         prompt_ids, SamplingParams(max_tokens=max_tokens), speculative, drafter=spec.drafter or "ngram"
     )
-    for step in generation:
+    for step in run_alone(generation):
         if step.round.num_draft_tokens:
             kept[step.round.num_kept] += 1
         else:

@@ -18,6 +18,9 @@ from bench.metrics import Aggregate, Mismatch, explain_mismatch, paired_bootstra
 from bench.runners import MethodSpec, RunOutput
 from bench.workloads import Prompt, answer_in_output, last_number_is, load_workload, truncate_completion
 from service.decoding import Method
+from service.decoding.fact_guard import changes_fact
+
+FACT_CLASSES = ("number", "negation", "name")
 
 TASK_SCORES = {"qa": "accuracy", "math": "accuracy", "humaneval": "pass@1"}
 
@@ -121,7 +124,9 @@ def summarise(name: str, runs: list[PromptRun], specs: list[MethodSpec]) -> dict
             "speedup": agg.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None,
             "tokens_per_forward": agg.tokens_per_forward,
             "forwards_per_token": agg.forwards_per_token,
-            "acceptance_rate": agg.acceptance_rate,
+            "target_forwards": agg.target_forwards,
+            "acceptance_rate": agg.acceptance_rate,  # strict: accepted / drafted
+            "kept_rate": agg.kept_rate,  # (accepted + rescued) / drafted
             "rescue_rate": agg.rescue_rate,
             "draft_tokens": agg.draft_tokens,
             "accepted": agg.accepted,
@@ -159,10 +164,12 @@ def summarise(name: str, runs: list[PromptRun], specs: list[MethodSpec]) -> dict
 
 
 def lossless_check(bench: Bench, results: list[WorkloadResult], specs: list[MethodSpec]) -> dict:
-    """Our strict SD must reproduce vanilla greedy on every prompt; the peer's lossless modes are shown too."""
+    """Our strict SD (every drafter) must reproduce vanilla greedy on every prompt; the peer's lossless modes
+    are shown too. `methods` breaks the count down per column (a goal judges the head's on its own)."""
     ours: list[Mismatch] = []
     peer: list[Mismatch] = []
     checked = 0
+    per_method: dict[str, dict] = {}
     for result in results:
         for run in result.runs:
             vanilla = run.outputs["vanilla"].token_ids
@@ -179,13 +186,17 @@ def lossless_check(bench: Bench, results: list[WorkloadResult], specs: list[Meth
                 )
                 if spec.is_ours:
                     checked += 1
+                    counts = per_method.setdefault(spec.label, {"checked": 0, "mismatches": 0})
+                    counts["checked"] += 1
                     if mismatch:
+                        counts["mismatches"] += 1
                         ours.append(mismatch)
                 elif mismatch:
                     peer.append(mismatch)
     return {
         "checked": checked,
         "passed": not ours,
+        "methods": per_method,
         "mismatches": [m.as_dict() for m in ours],
         "peer_mismatches": [m.as_dict() for m in peer],
     }
@@ -211,14 +222,60 @@ def acceptance_histograms(results: list[WorkloadResult], specs: list[MethodSpec]
     return histograms
 
 
-def rescued_examples(
-    bench: Bench, results: list[WorkloadResult], label: str = "csd", n: int = 15
-) -> list[dict]:
-    """The most frequent (draft token kept, target token it replaced) pairs in `label`'s outputs."""
+def _rescues(results: list[WorkloadResult], label: str) -> Counter:
+    """(draft token kept, target token it replaced) -> rescues, over every workload's outputs of `label`."""
     counts: Counter = Counter()
     for result in results:
         for run in result.runs:
             if label in run.outputs:
                 counts.update(run.outputs[label].rescues)
+    return counts
+
+
+def rescued_examples(
+    bench: Bench, results: list[WorkloadResult], specs: list[MethodSpec], n: int = 15
+) -> dict[str, list[dict]]:
+    """csd column -> its most frequent rescued patterns as text (draft token kept, target token replaced),
+    one list per drafter's columns: patterns are per model pair."""
     decode = bench.target.tokenizer.decode
-    return [{"kept": decode([d]), "replaced": decode([t]), "count": c} for (d, t), c in counts.most_common(n)]
+    return {
+        spec.label: [
+            {"kept": decode([d]), "replaced": decode([t]), "count": c}
+            for (d, t), c in _rescues(results, spec.label).most_common(n)
+        ]
+        for spec in specs
+        if spec.method is Method.CSD
+    }
+
+
+def fact_changes(bench: Bench, results: list[WorkloadResult], specs: list[MethodSpec]) -> dict[str, dict]:
+    """Per column that rescues (csd, and the lossy baseline for reference): how many of its rescues put a
+    different number, negation or name in the target's place (`fact_guard.changes_fact` on the two tokens'
+    texts), by class, with the most frequent such rescues."""
+    decode = bench.target.tokenizer.decode
+    out: dict[str, dict] = {}
+    for spec in specs:
+        if spec.method not in (Method.CSD, Method.LOSSY):
+            continue
+        counts = _rescues(results, spec.label)
+        by_class: Counter = Counter()
+        changing: Counter = Counter()
+        for (d, t), c in counts.items():
+            kind = changes_fact(decode([d]), decode([t]))
+            if kind is not None:
+                by_class[kind] += c
+                changing[(d, t)] += c
+        rescues = sum(counts.values())
+        fact_changing = sum(by_class.values())
+        out[spec.label] = {
+            "guarded": spec.method is Method.CSD and spec.guard_facts,
+            "rescues": rescues,
+            "fact_changing": fact_changing,
+            "share": fact_changing / rescues if rescues else None,
+            "by_class": {k: by_class.get(k, 0) for k in FACT_CLASSES},
+            "examples": [
+                {"kept": decode([d]), "replaced": decode([t]), "count": c}
+                for (d, t), c in changing.most_common(8)
+            ],
+        }
+    return out

@@ -68,7 +68,8 @@ def run_sweep(bench: Bench) -> dict:
                 "lambda": lam,
                 "tokens_per_forward": agg.tokens_per_forward,
                 "speedup": agg.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None,
-                "acceptance_rate": agg.acceptance_rate,
+                "acceptance_rate": agg.acceptance_rate,  # strict: accepted / drafted
+                "kept_rate": agg.kept_rate,  # (accepted + rescued) / drafted
                 "rescue_rate": agg.rescue_rate,
                 "exact_match": sum(o.token_ids == v.token_ids for o, v in zip(outs, vanilla, strict=True))
                 / len(outs),

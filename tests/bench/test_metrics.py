@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bench.metrics import (
+    Aggregate,
     LogLikelihoodScorer,
     SentenceEmbedder,
     explain_mismatch,
@@ -15,6 +16,7 @@ from bench.metrics import (
     paired_bootstrap_difference,
     wilson_interval,
 )
+from bench.runners import RunOutput
 from bench.workloads import (
     WORKLOADS,
     answer_in_output,
@@ -33,6 +35,19 @@ def test_wilson_interval_known_values():
     assert high == pytest.approx(0.9433, abs=1e-3)
     assert wilson_interval(0, 20)[0] == 0.0 and 0 < wilson_interval(0, 20)[1] < 0.2
     assert wilson_interval(20, 20)[1] == 1.0
+
+
+def test_acceptance_is_strict_and_kept_counts_rescues():
+    agg = Aggregate()
+    agg.add(
+        RunOutput([1] * 12, "", 1.0, target_forwards=4, draft_tokens=20, accepted=6, rescued=2, recovered=3)
+    )
+    agg.add(RunOutput([1] * 4, "", 1.0, target_forwards=4))  # vanilla-like: no speculation counters
+    assert agg.acceptance_rate == pytest.approx(6 / 20)  # vLLM's: a rescued token is not accepted
+    assert agg.kept_rate == pytest.approx(8 / 20)
+    assert agg.rescue_rate == pytest.approx(2 / 20)
+    assert agg.tokens_per_forward == pytest.approx(16 / 8)
+    assert Aggregate().acceptance_rate is None and Aggregate().kept_rate is None
 
 
 def test_paired_bootstrap_difference():

@@ -1,5 +1,5 @@
-"""The lossless runners the benchmark times, on a short prompt: ours with both drafters, and transformers'
-generate (plain, prompt lookup, assisted by a draft model).
+"""The lossless runners the benchmark times, on a short prompt: ours with every drafter (n-gram, draft model,
+draft head, combined), and transformers' generate (plain, prompt lookup, assisted by a draft model).
 
 At temperature 0 every lossless runner must reproduce vanilla token for token; that is what makes the speed
 ratios comparable (same tokens, same work) and the peer a fair one.
@@ -12,22 +12,35 @@ import pytest
 from bench.calibration import engine_with_store
 from bench.runners import ForwardCounter, method_specs, run_engine, run_hf
 from ocm_store.memory import InMemoryStore
-from service.decoding import ModelDrafter, NgramDrafter, SpeculativeConfig
+from service.decoding import (
+    CombinedDrafter,
+    HeadDrafter,
+    Method,
+    ModelDrafter,
+    NgramDrafter,
+    SpeculativeConfig,
+)
 from service.decoding.text import encode_chat
 
 PROMPT = "Copy this sentence exactly: The quick brown fox jumps over the lazy dog near the old river bank."
 MAX_TOKENS = 12
-LOSSLESS = ("vanilla", "sd", "sd-model", "hf-greedy", "hf-pld", "hf-assisted")
+LOSSLESS = ("vanilla", "sd", "sd-model", "sd-head", "sd-combined", "hf-greedy", "hf-pld", "hf-assisted")
 
 
 @pytest.fixture(scope="module")
-def outputs(embedded, tiny):
-    drafters = {"ngram": NgramDrafter(), "model": ModelDrafter(tiny)}
+def outputs(embedded, tiny, embedded_head):
+    ngram, head = NgramDrafter(), HeadDrafter(embedded, embedded_head)
+    drafters = {
+        "ngram": ngram,
+        "model": ModelDrafter(tiny),
+        "head": head,
+        "combined": CombinedDrafter(ngram, head),
+    }
     engine = engine_with_store(embedded, drafters, InMemoryStore())
     engines = {None: engine, "cold": engine, "calibrated": engine}
     ids = encode_chat(embedded.tokenizer, [{"role": "user", "content": PROMPT}])
     results = {}
-    for spec in method_specs(with_draft_model=True):
+    for spec in method_specs(with_draft_model=True, with_head=True):
         if spec.label not in LOSSLESS:  # the lossy methods run end to end in test_bench_smoke.py
             continue
         if spec.runner == "hf":
@@ -57,6 +70,20 @@ def test_forward_counts(outputs):
     assert sd.draft_tokens > 0 and sd.accepted > 0 and sd.rescued == 0
     assert sum(sd.kept_per_round.values()) + sd.undrafted_rounds == sd.target_forwards
     assert outputs["hf-pld"].draft_tokens is None  # the peer's counters are not visible
+    for label in ("sd-head", "sd-combined"):
+        out = outputs[label]
+        assert out.draft_tokens > 0 and out.rescued == 0, label
+        assert sum(out.kept_per_round.values()) + out.undrafted_rounds == out.target_forwards, label
+
+
+def test_head_columns():
+    specs = {s.label: s for s in method_specs(with_draft_model=False, with_peer=False, with_head=True)}
+    assert {"sd-head", "csd-head", "csd-head-unguarded", "sd-combined", "csd-combined"} <= set(specs)
+    assert specs["csd-head"].ocm == specs["csd-head-unguarded"].ocm == "calibrated"
+    assert specs["csd-head"].guard_facts and not specs["csd-head-unguarded"].guard_facts
+    assert specs["sd-head"].lossless and specs["sd-combined"].lossless and not specs["csd-head"].lossless
+    assert specs["csd-combined"].method is Method.CSD and specs["csd-combined"].drafter == "combined"
+    assert not any("head" in label for label in (s.label for s in method_specs(with_draft_model=False)))
 
 
 def test_forward_counter_counts_and_detaches(embedded):
@@ -69,3 +96,41 @@ def test_forward_counter_counts_and_detaches(embedded):
     with torch.inference_mode():
         embedded.model(input_ids=torch.tensor([[5]]))
     assert counter.calls == 2
+
+
+def test_the_unguarded_column_turns_the_fact_guard_off():
+    class Asked(Exception):
+        pass
+
+    class Recorder:  # stands in for the engine: records what run_engine asks it for
+        def generate(self, prompt_ids, sampling, spec, drafter):
+            raise Asked(spec, drafter)
+
+    specs = {s.label: s for s in method_specs(with_draft_model=False, with_peer=False, with_head=True)}
+    for label, guarded in (("csd-head", True), ("csd-head-unguarded", False), ("csd", True)):
+        with pytest.raises(Asked) as asked:
+            run_engine(Recorder(), specs[label], [1, 2], 4, SpeculativeConfig(tau=0.05))  # type: ignore[arg-type]
+        spec, drafter = asked.value.args
+        assert spec.guard_facts is guarded and spec.tau == 0.05 and spec.method is Method.CSD, label
+        assert drafter == specs[label].drafter
+
+
+def test_drafter_cost_times_every_drafter(embedded, tiny, embedded_head):
+    from types import SimpleNamespace
+
+    from bench.profiling import drafter_cost
+
+    ngram, head = NgramDrafter(), HeadDrafter(embedded, embedded_head)
+    drafters = {
+        "ngram": ngram,
+        "head": head,
+        "combined": CombinedDrafter(ngram, head),
+        "model": ModelDrafter(tiny),
+    }
+    ids = encode_chat(embedded.tokenizer, [{"role": "user", "content": PROMPT}])
+    costs = drafter_cost(SimpleNamespace(target=embedded, drafters=drafters), ids, k=3, repeats=1)  # type: ignore[arg-type]
+    assert set(costs) == set(drafters)
+    for name, cost in costs.items():
+        assert set(cost["seconds_by_tokens"]) == {"1", "2", "3"}, name
+        assert cost["seconds_per_draft_token"] == pytest.approx(cost["seconds_by_tokens"]["3"] / 3), name
+        assert cost["identity"] == drafters[name].identity
