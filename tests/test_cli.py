@@ -73,7 +73,7 @@ def test_generate_json_has_text_tokens_with_provenance_and_stats(ocm_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)  # one JSON object and nothing else on stdout
-    assert result["method"] == "sd" and result["drafter"] == "ngram"
+    assert result["method"] == "sd" and result["drafter"] == "combined"  # the default on the embedded model
     assert result["text"].strip() and result["finish_reason"] in ("stop", "length")
     tokens = result["tokens"]
     assert tokens and all(t["provenance"] in PROVENANCES and isinstance(t["id"], int) for t in tokens)
@@ -109,7 +109,8 @@ def test_calibrate_then_ocm_top_shows_decoded_patterns(tmp_path, ocm_path):
     top = csd("ocm", "top", "-n", "100000", ocm_path=ocm_path)
     assert top.returncode == 0, top.stderr
     lines = top.stdout.splitlines()
-    assert lines[0].startswith("# SmolLM2-135M-Instruct@") and "|ngram|" in lines[0]
+    # calibration records in the default drafter's namespace (combined: prompt lookup, else the trained head)
+    assert lines[0].startswith("# SmolLM2-135M-Instruct@") and "|combined:ngram+head:" in lines[0]
     patterns = [re.match(r"^\s*(\d+)  ('.*'|\".*\") -> ('.*'|\".*\")$", line) for line in lines[1:]]
     assert patterns and all(patterns), lines
     # every divergence recorded by calibration is in the store, each counted once

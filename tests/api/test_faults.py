@@ -65,7 +65,9 @@ def faulty(embedded: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> I
     target = LoadedModel(
         name=embedded.name, model=model, tokenizer=embedded.tokenizer, revision=embedded.revision
     )  # type: ignore[arg-type]
-    settings = Settings(ready_probe_interval_s=0.2, ready_probe_timeout_s=20, max_tokens_cap=64)
+    settings = Settings(
+        ready_probe_interval_s=0.2, ready_probe_timeout_s=20, max_tokens_cap=64, drafter="ngram"
+    )
     store = InMemoryStore(path=tmp_path_factory.mktemp("faults") / "ocm.sqlite")
     drafter = NgramDrafter()
     namespaces = {

@@ -298,7 +298,7 @@ def test_head_and_combined_rows_batch_with_the_others_and_stay_lossless(embedded
             assert_same_tokens(
                 embedded, prompt_ids[i], [t.token_id for t in g.tokens], [t.token_id for t in alone[i].tokens]
             )
-    assert gens[0].stats.tokens_per_forward > 1.5  # the head's drafts were accepted in the batch
+    assert gens[0].stats.tokens_per_forward > 1.2  # the head's drafts were accepted in the batch
 
 
 def test_a_sequence_that_fails_leaves_the_batch_alone(embedded, prompt_ids, alone):

@@ -28,14 +28,14 @@ QUERIES = dashboard_queries(DASHBOARD)
 
 # What the issue asks the dashboard to show, as the series each must read (all of them, in one panel).
 REQUIRED = {
-    "acceptance rate": {
+    "kept rate": {
         "csd_spec_decode_num_accepted_tokens_total",
         "csd_spec_decode_num_rescued_tokens_total",
         "csd_spec_decode_num_draft_tokens_total",
     },
     "rescue rate": {"csd_spec_decode_num_rescued_tokens_total", "csd_spec_decode_num_draft_tokens_total"},
-    "per-position acceptance": {
-        "csd_spec_decode_num_accepted_tokens_per_pos_total",
+    "per-position survival": {
+        "csd_spec_decode_num_kept_tokens_per_pos_total",
         "csd_spec_decode_num_drafts_total",
     },
     "mean tokens per target forward": {"csd_generation_tokens_total", "csd_target_forwards_total"},
@@ -76,13 +76,13 @@ def test_the_panels_the_issue_asks_for_are_there(topic):
     if topic in ("time to first token", "inter-token latency"):
         assert "histogram_quantile(0.5," in exprs and "histogram_quantile(0.99," in exprs
     if topic in (
-        "acceptance rate",
+        "kept rate",
         "rescue rate",
-        "per-position acceptance",
+        "per-position survival",
         "mean tokens per target forward",
     ):
         assert "by (method, drafter" in exprs, f"{topic} must be shown per method and drafter"
-    if topic == "per-position acceptance":
+    if topic == "per-position survival":
         assert "position" in exprs
     if topic == "429 and 5xx":
         assert 'status_code="429"' in exprs and 'status_code=~"5.."' in exprs
