@@ -71,6 +71,9 @@ class SpeculativeConfig:
         return self.method is not Method.VANILLA and self.num_speculative_tokens > 0
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. temperature == 0 means greedy."""
@@ -94,7 +97,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small that sampling is greedy anyway: below GREEDY_BELOW a logit gap of
+        1e-3 already makes the runner-up e^-100 times less likely, and at 1e-38 and below logits / T
+        overflows float32 (inf - inf = nan in the softmax)."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

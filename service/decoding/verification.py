@@ -161,6 +161,8 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float) -> to
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # drop a token when the mass before it already reaches top_p (the top token always stays)
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        # the top token always stays, also when top_p is below float32's smallest number (1e-300 -> 0.0)
+        drop[..., 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)

@@ -273,3 +273,21 @@ def test_client_disconnect_stops_the_generation(api_server: Server, stream: bool
     assert generated < 64
     if stream:
         assert generated <= 8, "the stream was dropped after its first token"
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 1e-38},
+        {"temperature": 5e-324},
+        {"temperature": 0.8, "top_p": 1e-300},
+        {"temperature": 2, "top_p": 5e-324},
+    ],
+)
+def test_vanishing_sampling_parameters_decode(api_server: Server, sampling: dict) -> None:
+    """Values the API accepts must decode (they gave 500 engine_error: nan probabilities)."""
+    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 4, "seed": 3, **sampling}
+    with api_server.client() as http:
+        response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1

@@ -14,6 +14,7 @@ from service.decoding.verification import (
     calibrated_rule,
     lossy_rule,
     recording_rule,
+    sampling_probs,
     verify_greedy,
     verify_sampling,
 )
@@ -203,3 +204,27 @@ def test_the_guarded_vocabulary_of_the_embedded_model(embedded):
         assert tok.encode(text, add_special_tokens=False)[-1] in ids, text
     for text in (" the", " colour", " color", ",", " The"):
         assert tok.encode(text, add_special_tokens=False)[-1] not in ids, text
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-45, 1e-8])
+def test_a_vanishing_top_p_keeps_the_top_token(top_p):
+    """top_p below float32's range became 0.0 and dropped every token (nan probabilities, a 500)."""
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 5.0]])
+    probs = sampling_probs(logits, 0.7, top_p)
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]))
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300, 5e-324, 1e-6])
+def test_a_vanishing_temperature_decodes_greedily(embedded, temperature):
+    """Any temperature the API accepts must decode: one so small that logits / T overflows is greedy."""
+    from service.decoding import Engine, SamplingParams, SpeculativeConfig, run_alone
+
+    sampling = SamplingParams(max_tokens=6, temperature=temperature, seed=1)
+    assert sampling.greedy
+    engine = Engine(embedded)
+    ids = embedded.tokenizer.encode("The capital of France is")
+    g = engine.generate(ids, sampling, SpeculativeConfig(method="vanilla"))
+    list(run_alone(g))
+    ref = engine.generate(ids, SamplingParams(max_tokens=6), SpeculativeConfig(method="vanilla"))
+    list(run_alone(ref))
+    assert [t.token_id for t in g.tokens] == [t.token_id for t in ref.tokens]
