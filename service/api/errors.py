@@ -93,10 +93,13 @@ def _validation_message(error: dict[str, Any]) -> tuple[str, str | None]:
         reason = (error.get("ctx") or {}).get("error", "invalid JSON")
         return f"the request body is not valid JSON ({reason})", None
     if error.get("type") == "missing":
+        if param is None:  # the body itself: empty or absent
+            return "a request body is required: a JSON object, sent with Content-Type: application/json", None
         return f"{param} is required", param
     if param is None and error.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         return "the request body must be a JSON object, sent with Content-Type: application/json", None
     msg = error.get("msg", "invalid value")
+    msg = msg.removeprefix("Value error, ")  # our own validators' messages stand on their own
     return (f"{param}: {msg}" if param else msg), param
 
 

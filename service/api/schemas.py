@@ -66,10 +66,18 @@ class _GenerationRequest(_Request):
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
     # Known OpenAI fields we do not support: accepted at their neutral values, refused otherwise.
-    n: int | None = Field(None, description="only 1 is supported")
+    n: int | None = Field(None, ge=1, description="only 1 is supported")
     presence_penalty: float | None = Field(None, description="not supported (only 0)")
     frequency_penalty: float | None = Field(None, description="not supported (only 0)")
     logit_bias: dict[str, Any] | None = Field(None, description="not supported")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_limit(cls, value: object) -> object:
+        # Checked before the str | list union, whose first member would report "a valid string" instead.
+        if isinstance(value, list) and len(value) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(value)}")
+        return value
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """(field, what) for the first field set to something we cannot honour, or None."""

@@ -154,3 +154,17 @@ def test_chat_max_completion_tokens_beyond_the_context_names_that_field(api_serv
         )
     error = assert_openai_error(response, 400, param="max_completion_tokens", code="context_length_exceeded")
     assert "max_completion_tokens asks for 64" in error["message"]
+
+
+def test_error_messages_name_the_real_problem(api_server: Server) -> None:
+    """Texts that misled (issue 13, finding 8): an empty body said 'None is required', n=0 said 'n > 1 is not
+    supported', 100 stop strings said 'Input should be a valid string'."""
+    with api_server.client() as http:
+        empty = http.post("/v1/completions", content=b"", headers={"Content-Type": "application/json"})
+        error = assert_openai_error(empty, 400, param=None)
+        assert "request body is required" in error["message"] and "None" not in error["message"]
+        error = assert_openai_error(http.post("/v1/completions", json={**COMPLETION, "n": 0}), 400, param="n")
+        assert "greater than or equal to 1" in error["message"] and "n > 1" not in error["message"]
+        many = http.post("/v1/completions", json={**COMPLETION, "stop": ["x"] * 100})
+        error = assert_openai_error(many, 400, param="stop", code="invalid_value")
+        assert "at most 16 stop sequences, got 100" in error["message"], error
