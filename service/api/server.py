@@ -7,6 +7,8 @@ already running drain (up to shutdown_grace_s).
 
 from __future__ import annotations
 
+import logging
+import re
 import socket
 from collections.abc import Callable
 from types import FrameType
@@ -43,6 +45,39 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+# Query parameters that carry credentials: a client that sends its key as `?api_key=` is refused (keys travel
+# in the Authorization header), but the access log would still write the key down.
+_CREDENTIAL_QUERY = re.compile(
+    r"(?i)([?&](?:api[_-]?key|key|token|access[_-]?token|auth|authorization|password|secret)=)[^&\s\"']*"
+)
+
+
+def _redact(value: object) -> object:
+    return _CREDENTIAL_QUERY.sub(r"\1[redacted]", value) if isinstance(value, str) else value
+
+
+class RedactCredentials(logging.Filter):
+    """Replaces the value of a credential query parameter by [redacted] in a log record's message and
+    arguments (argument by argument: uvicorn's access formatter unpacks them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = _redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(_redact(a) for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: _redact(v) for k, v in record.args.items()}
+        return True
+
+
+def redact_credentials_in_logs() -> None:
+    """Install the filter on every logger that may print a request's URL (uvicorn configures its loggers
+    when its Config is built: call this afterwards)."""
+    for name in ("uvicorn.access", "uvicorn.error", "uvicorn", "service"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactCredentials) for f in logger.filters):
+            logger.addFilter(RedactCredentials())
+
+
 def serve(settings: Settings, log_level: str = "info", sock: socket.socket | None = None) -> str | None:
     """Serve until SIGINT/SIGTERM. Returns None after a clean shutdown, or the reason the model could not
     be loaded (the server stops by itself then)."""
@@ -63,6 +98,7 @@ def serve(settings: Settings, log_level: str = "info", sock: socket.socket | Non
         timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
         server_header=False,
     )
+    redact_credentials_in_logs()
     server = _Server(config, on_signal=app.state.csd.begin_shutdown)
     server.run(sockets=[sock])
     return fatal[0] if fatal else None

@@ -168,3 +168,15 @@ def test_error_messages_name_the_real_problem(api_server: Server) -> None:
         many = http.post("/v1/completions", json={**COMPLETION, "stop": ["x"] * 100})
         error = assert_openai_error(many, 400, param="stop", code="invalid_value")
         assert "at most 16 stop sequences, got 100" in error["message"], error
+
+
+def test_a_key_sent_in_the_query_string_never_reaches_the_log(api_server: Server) -> None:
+    """Keys travel in the Authorization header; one sent as ?api_key= is refused, and the access log writes
+    the request line with the value redacted (issue 13, finding 5)."""
+    secret = "sk-query-string-secret-4711"
+    for query in (f"api_key={secret}", f"x=1&token={secret}", f"Access-Token={secret}"):
+        response = httpx.get(f"{api_server.url}/v1/models?{query}", timeout=30)
+        assert_openai_error(response, 401)
+    log = api_server.log()
+    assert "/v1/models?api_key=[redacted]" in log and "/v1/models?x=1&token=[redacted]" in log
+    assert secret not in log
