@@ -157,6 +157,8 @@ class EngineWorker:
         self._lock = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[_Active] = []  # touched by the worker thread only (read elsewhere for counts)
+        # jobs taken off the queue and not yet in `_active`: counted too, so admission is exact under a burst
+        self._starting = 0
         self._stopping = False
         self._mean_job_seconds = 2.0  # moving average of job durations, for Retry-After
         self._thread = threading.Thread(target=self._run, name="csd-engine", daemon=True)
@@ -179,7 +181,7 @@ class EngineWorker:
         with self._lock:
             if self._stopping:
                 raise APIError(503, "the server is shutting down", type=UNAVAILABLE, code="shutting_down")
-            in_system = len(self._waiting) + self.running
+            in_system = len(self._waiting) + self._starting + self.running
             if not priority and in_system >= self.max_batch_size + self.max_queue:
                 raise QueueFull(self._retry_after(in_system))
             if priority:
@@ -284,9 +286,16 @@ class EngineWorker:
                 and len(taken) + len(self._active) < self.max_batch_size
             ):
                 taken.append(self._waiting.popleft())
+            self._starting += len(taken)
             self.metrics.requests_waiting.set(len(self._waiting))
         for job in taken:
-            self._start(job)
+            try:
+                self._start(
+                    job
+                )  # into `_active` (or answered with an error) before it stops counting as starting
+            finally:
+                with self._lock:
+                    self._starting -= 1
         self._set_running()
         return True
 

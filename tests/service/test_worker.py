@@ -7,12 +7,13 @@ the fault itself (a generation whose verification raises), which no real input t
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
 from service.api.metrics import ServiceMetrics
-from service.api.worker import DoneEvent, EngineWorker, ErrorEvent, GenerationPlan, Job
+from service.api.worker import DoneEvent, EngineWorker, ErrorEvent, GenerationPlan, Job, QueueFull
 from service.decoding import Engine, NgramDrafter, SamplingParams, SpeculativeConfig, run_alone
 from service.decoding.text import encode_chat
 
@@ -88,3 +89,48 @@ def test_a_failing_generation_gets_a_500_and_the_others_their_answers(embedded):
             assert isinstance(event, DoneEvent), event
             assert event.text == alone[i]
     assert worker.running == 0
+
+
+class PausingEngine(Engine):
+    """A fake delay, named as such: `generate` waits on a gate, holding the worker between taking jobs off the
+    queue and putting them into the batch (the window a real burst of requests hits only by chance)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def generate(self, *args, **kwargs):
+        self.entered.set()
+        self.gate.wait(60)
+        return super().generate(*args, **kwargs)
+
+
+def test_admission_is_exact_while_jobs_are_being_started(embedded):
+    """max_batch_size + max_queue requests in the system, never more: jobs being started count too (a burst
+    admitted 6 into a server of 2 + 2)."""
+    engine = PausingEngine(embedded, {"ngram": NgramDrafter()})
+    worker = EngineWorker(engine, ServiceMetrics(6), max_queue=2, max_batch_size=2)
+    worker.start()
+    loop = asyncio.new_event_loop()
+    plan = GenerationPlan(
+        encode_chat(embedded.tokenizer, [{"role": "user", "content": "Hi"}]),
+        SamplingParams(max_tokens=2),
+        SpeculativeConfig(method="vanilla"),
+        "ngram",
+    )
+    try:
+        worker.submit(Job(plan, loop, time.monotonic() + 120))
+        assert engine.entered.wait(30)  # the worker took the first job off the queue and is starting it
+        admitted = 1
+        for _ in range(9):
+            try:
+                worker.submit(Job(plan, loop, time.monotonic() + 120))
+                admitted += 1
+            except QueueFull:
+                pass
+        assert admitted == 4
+    finally:
+        engine.gate.set()
+        worker.stop()
+        loop.close()
