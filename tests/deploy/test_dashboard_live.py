@@ -40,7 +40,14 @@ from tests.deploy.support import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SCRAPE_INTERVAL_S = 1
-RATE_INTERVAL = "2m"  # longer than the whole test: every rate() sees all samples since Prometheus started
+
+
+def rate_interval(live: dict) -> str:
+    """A rate() window that reaches back past Prometheus's start, however long the module has run: a fixed
+    window shorter than a slow run (a busy machine) sees no increase, and a ratio of rates becomes 0/0."""
+    return f"{int(time.monotonic() - live['started']) + 60}s"
+
+
 PROMPTS = [
     "Rewrite in American spelling: The colour of the theatre's centre stage was grey, and the organisers "
     "apologised for the delay of the programme.",
@@ -200,6 +207,7 @@ def live(tmp_path_factory):
                     stdout=log, stderr=subprocess.STDOUT,
                 )  # fmt: skip
             prom = Prometheus(f"http://127.0.0.1:{prometheus_port}")
+            started = time.monotonic()
             _wait_for(
                 lambda: prom.client.get("/-/ready").status_code == 200,
                 60,
@@ -223,7 +231,14 @@ def live(tmp_path_factory):
             burst += _traffic(client, model)
             time.sleep(3 * SCRAPE_INTERVAL_S + 1)
             metrics_text = client.get("/metrics").text
-            yield {"prom": prom, "port": port, "burst": burst, "metrics": metrics_text, "log": service_log}
+            yield {
+                "prom": prom,
+                "port": port,
+                "burst": burst,
+                "metrics": metrics_text,
+                "log": service_log,
+                "started": started,
+            }
         finally:
             client.close()
             if prometheus is not None:
@@ -239,7 +254,7 @@ def test_every_dashboard_expression_returns_data(live):
     dashboard = load_dashboard()
     failures = []
     for title, expr in dashboard_queries(dashboard):
-        result = live["prom"].query(instantiate(expr, dashboard, RATE_INTERVAL))
+        result = live["prom"].query(instantiate(expr, dashboard, rate_interval(live)))
         if not result:
             failures.append(f"{title}: no series for {expr}")
         elif not _finite(result):
@@ -250,7 +265,7 @@ def test_every_dashboard_expression_returns_data(live):
 def test_rates_are_shown_per_method(live):
     dashboard = load_dashboard()
     (panel,) = [p for p in dashboard_panels(dashboard) if p["title"] == "Kept rate (accepted + rescued)"]
-    result = live["prom"].query(instantiate(panel["targets"][0]["expr"], dashboard, RATE_INTERVAL))
+    result = live["prom"].query(instantiate(panel["targets"][0]["expr"], dashboard, rate_interval(live)))
     methods = {series["metric"].get("method") for series in result}
     assert {"csd", "sd"} <= methods, f"kept rate per method: {result}"
     for series in result:
@@ -262,7 +277,7 @@ def test_rejections_show_in_the_429_share(live):
     assert 429 in live["burst"], f"the burst beyond CSD_MAX_QUEUE met no 429: {live['burst']}"
     dashboard = load_dashboard()
     (expr,) = [e for _, e in dashboard_queries(dashboard) if 'status_code="429"' in e]
-    (series,) = live["prom"].query(instantiate(expr, dashboard, RATE_INTERVAL))
+    (series,) = live["prom"].query(instantiate(expr, dashboard, rate_interval(live)))
     assert float(series["value"][1]) > 0
 
 
