@@ -36,7 +36,7 @@ class Settings(BaseSettings):
 
     # ---- speculation defaults (a request may override them)
     method: Method = Method.CSD
-    # default: 'combined' (prompt lookup, else the trained head) on the embedded model, 'ngram' elsewhere
+    # default: 'combined' (prompt lookup, else the trained head) where a head is loaded, 'ngram' elsewhere
     drafter: Literal["ngram", "head", "combined", "model"] | None = None
     num_speculative_tokens: int = Field(6, ge=0, le=64)
     tau: float = Field(0.01, gt=0, le=1)
@@ -105,7 +105,7 @@ class Settings(BaseSettings):
         if self.ngram_min > self.ngram_max:
             raise ValueError("ngram_min must not exceed ngram_max")
         if self.drafter is None:
-            self.drafter = "combined" if self.embedded_head_applies else "ngram"
+            self.drafter = "combined" if self.has_head else "ngram"
         if self.drafter in ("head", "combined") and not self.draft_head:
             raise ValueError(f"drafter {self.drafter!r} needs draft_head (CSD_DRAFT_HEAD or --draft-head)")
         if self.drafter == "model" and not self.draft_model:
@@ -120,6 +120,11 @@ class Settings(BaseSettings):
     def embedded_head_applies(self) -> bool:
         """The shipped head is for the embedded model: other targets need a head of their own."""
         return self.draft_head == "embedded" and self.model == "embedded"
+
+    @property
+    def has_head(self) -> bool:
+        """A 'head' drafter will be loaded: the shipped one for the embedded model, or a folder given."""
+        return self.embedded_head_applies or bool(self.draft_head and self.draft_head != "embedded")
 
     @property
     def ocm_file(self) -> Path:

@@ -173,3 +173,14 @@ def test_bad_input_gives_one_error_line_and_exit_2(bad_files, ocm_path, args, me
     assert message in errors[0], errors[0]
     if "word-model" in " ".join(args):  # the mismatch names both models
         assert str(bad_files / "word-model") in errors[0]
+
+
+def test_settings_default_drafter_follows_the_head():
+    """combined where a head is loaded (the shipped one on the embedded model, or --draft-head FOLDER),
+    prompt lookup for any other target."""
+    from service.config import Settings
+
+    assert Settings().drafter == "combined"
+    assert Settings(model="some/other-model").drafter == "ngram"
+    assert Settings(model="some/other-model", draft_head="/heads/mine").drafter == "combined"
+    assert Settings(draft_head="").drafter == "ngram"

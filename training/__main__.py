@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from service.decoding.models import load_model
     from training.distill import distill
-    from training.prompts import bench_ngrams, grounded_prompts, open_prompts
+    from training.prompts import bench_ngrams, grounded_prompts, open_prompts, overlaps
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -85,8 +85,6 @@ def main(argv: list[str] | None = None) -> None:
         passages = [(a["prompt"], a["answer"].strip()) for a in pool[: args.grounded_prompts]]
         items = grounded_prompts(passages, seed=args.seed)
         banned = bench_ngrams()
-        from training.prompts import overlaps
-
         items = [i for i in items if not overlaps(i["prompt"], banned)]
         distill(target, items, grounded_file, batch_size=args.batch_size // 2, max_new_tokens=128)
         timings["distill_grounded_s"] = time.perf_counter() - started

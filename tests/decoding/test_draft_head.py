@@ -66,16 +66,21 @@ def fresh_final_hidden(model, tokens: list[int]) -> torch.Tensor:
 
 
 def test_files_round_trip(words, tmp_path):
+    """The loaded head computes what the saved one did; another head's file computes something else."""
     folder = save_word_head(words, tmp_path, seed=3)
-    a = RecurrentDraftHead.load(folder).bind(
-        words.model.get_input_embeddings().weight, words.model.lm_head.weight
-    )
-    b = RecurrentDraftHead.load(folder).bind(
-        words.model.get_input_embeddings().weight, words.model.lm_head.weight
-    )
-    state = torch.randn(2, words.model.config.hidden_size)
+    loaded = RecurrentDraftHead.load(folder)
+    torch.manual_seed(3)  # rebuild the saved head exactly as save_word_head made it
+    original = RecurrentDraftHead(loaded.config, torch.tensor(list(range(2, 12))))
     with torch.no_grad():
-        torch.testing.assert_close(a.step(state, torch.tensor([3, 4])), b.step(state, torch.tensor([3, 4])))
+        for parameter in original.parameters():
+            parameter.normal_(0.0, 0.3)
+    other = RecurrentDraftHead.load(save_word_head(words, tmp_path / "other", seed=4))
+    embed, lm_head = words.model.get_input_embeddings().weight, words.model.lm_head.weight
+    state, tokens = torch.randn(2, words.model.config.hidden_size), torch.tensor([3, 4])
+    with torch.no_grad():
+        steps = [h.bind(embed, lm_head).step(state, tokens) for h in (loaded, original, other)]
+    torch.testing.assert_close(steps[0], steps[1])
+    assert not torch.allclose(steps[0][1], steps[2][1])
     assert not any("embed" in k or "lm_rows" in k for k in RecurrentDraftHead.load(folder).state_dict())
 
 

@@ -35,8 +35,7 @@ def page_config(settings: Settings) -> dict:
         "method": settings.method.value,
         "drafter": settings.drafter,
         "draft_model": settings.draft_model is not None,
-        "draft_head": settings.embedded_head_applies
-        or bool(settings.draft_head and settings.draft_head != "embedded"),
+        "draft_head": settings.has_head,
         "num_speculative_tokens": settings.num_speculative_tokens,
         "tau": settings.tau,
         "lambda": settings.lambda_,
