@@ -24,6 +24,8 @@ _EXPORTS = {
     "check_same_vocabulary": "models",
     "load_model": "models",
     "vocabulary_hash": "models",
+    "Constraint": "types",
+    "ConstraintKind": "types",
     "DecodingError": "types",
     "EmittedToken": "types",
     "GenerationStats": "types",
@@ -52,6 +54,8 @@ if TYPE_CHECKING:
     from service.decoding.generation import Generation
     from service.decoding.models import LoadedModel, check_same_vocabulary, load_model, vocabulary_hash
     from service.decoding.types import (
+        Constraint,
+        ConstraintKind,
         DecodingError,
         EmittedToken,
         GenerationStats,
@@ -67,6 +71,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Batch",
     "CombinedDrafter",
+    "Constraint",
+    "ConstraintKind",
     "DecodingError",
     "DivergenceMemory",
     "DraftPolicy",

@@ -72,11 +72,40 @@ class SpeculativeConfig:
 
 
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20
+
+
+class ConstraintKind(str, Enum):
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # value: the schema (a dict)
+    REGEX = "regex"  # value: a regular expression the whole output matches
+    CHOICE = "choice"  # value: a tuple of strings, the output is one of them
+    GRAMMAR = "grammar"  # value: a Lark grammar (llguidance's dialect)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the whole output must match (structured output). Enforced by `grammar.GrammarMatcher` at every
+    position a round verifies, drafts included."""
+
+    kind: ConstraintKind
+    value: object = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ConstraintKind):
+            object.__setattr__(self, "kind", ConstraintKind(self.kind))
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature == 0 means greedy."""
+    """Per-request sampling. temperature == 0 means greedy.
+
+    Logit processing, applied at every verified position from the tokens before it, exactly as plain
+    decoding would (so strict speculative decoding stays lossless): `repetition_penalty` (vLLM's / CTRL's:
+    divide positive logits, multiply negative ones, over prompt and output tokens), `presence_penalty` and
+    `frequency_penalty` (OpenAI's, over output tokens), `logit_bias` (token id -> bias), `min_tokens` (EOS
+    and `stop_token_ids` masked before that many tokens), and `constraint` (structured output).
+    `logprobs`: how many top alternatives to report per token (None: no logprobs; 0: the chosen token's)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -84,10 +113,30 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise DecodingError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise DecodingError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                raise DecodingError(f"{name} must be in [-2, 2], got {value}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise DecodingError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not (-100 <= bias <= 100) for _, bias in self.logit_bias):
+            raise DecodingError("logit_bias values must be in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise DecodingError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not (0 <= self.temperature <= 2) or math.isnan(self.temperature):
             raise DecodingError(f"temperature must be in [0, 2], got {self.temperature}")
         if not (0 < self.top_p <= 1):
