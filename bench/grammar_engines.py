@@ -78,7 +78,7 @@ def bench_llguidance(tokenizer, vocab: int, repeats: int) -> dict:
             # speculation: 6 positions masked and consumed, then rolled back
             matcher.reset()
 
-            def draft_check(m=matcher) -> None:
+            def draft_check(m=matcher, tokens=tokens) -> None:
                 for i, t in enumerate(tokens[:6]):
                     lltorch.fill_next_token_bitmask(m, bitmask, i)
                     m.consume_token(t)
@@ -116,7 +116,7 @@ def bench_xgrammar(tokenizer, vocab: int, repeats: int) -> dict:
                 assert matcher.accept_token(t)
             matcher.reset()
 
-            def draft_check(m=matcher) -> None:
+            def draft_check(m=matcher, tokens=tokens) -> None:
                 for i, t in enumerate(tokens[:6]):
                     m.fill_next_token_bitmask(bitmask, i)
                     m.accept_token(t)
@@ -133,7 +133,9 @@ def bench_xgrammar(tokenizer, vocab: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
