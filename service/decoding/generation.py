@@ -118,7 +118,9 @@ class Generation:
         self.drafter = drafter if spec.speculates else None
         self.policy = policy or DraftPolicy()
         # tokens that end the generation without being part of it: EOS (unless ignored) and stop_token_ids
-        self.eos_ids = (set() if sampling.ignore_eos else target.eos_token_ids()) | set(sampling.stop_token_ids)
+        self.eos_ids = (set() if sampling.ignore_eos else target.eos_token_ids()) | set(
+            sampling.stop_token_ids
+        )
         vocab = target.vocab_size
         if any(not 0 <= t < vocab for t, _ in sampling.logit_bias) or any(
             not 0 <= t < vocab for t in sampling.stop_token_ids

@@ -111,14 +111,19 @@ def test_sd_under_a_constraint_equals_vanilla_under_it_and_jumps_forward(engine,
     "constraint, check",
     [
         (Constraint(ConstraintKind.REGEX, r"[0-9]{3}-[0-9]{4}"), lambda s: len(s) == 8 and s[3] == "-"),
-        (Constraint(ConstraintKind.CHOICE, ("positive", "negative", "it's \"neutral\"")), None),
+        (Constraint(ConstraintKind.CHOICE, ("positive", "negative", 'it\'s "neutral"')), None),
         (Constraint(ConstraintKind.JSON_OBJECT), lambda s: isinstance(json.loads(s), dict)),
-        (Constraint(ConstraintKind.GRAMMAR, 'start: "yes" | "no" | "maybe"'), lambda s: s in {"yes", "no", "maybe"}),
+        (
+            Constraint(ConstraintKind.GRAMMAR, 'start: "yes" | "no" | "maybe"'),
+            lambda s: s in {"yes", "no", "maybe"},
+        ),
     ],
     ids=["regex", "choice", "json_object", "lark"],
 )
 def test_regex_choice_json_object_and_lark_grammars(engine, embedded, constraint, check):
-    g = generate(engine, chat(embedded, "Is this review positive? 'Great phone, terrible battery.'"), "sd", constraint)
+    g = generate(
+        engine, chat(embedded, "Is this review positive? 'Great phone, terrible battery.'"), "sd", constraint
+    )
     if check is None:
         assert g.text in constraint.value
     else:

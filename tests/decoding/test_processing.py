@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from ocm_store import InMemoryStore, Namespace
-from service.decoding import CombinedDrafter, Engine, HeadDrafter, NgramDrafter, SamplingParams, SpeculativeConfig
+from service.decoding import (
+    CombinedDrafter,
+    Engine,
+    HeadDrafter,
+    NgramDrafter,
+    SamplingParams,
+    SpeculativeConfig,
+)
 from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.engine import run_to_end
 from service.decoding.processing import LogitsProcessing
@@ -128,7 +135,9 @@ def test_stop_token_ids_and_ignore_eos(engine, embedded, ids):
     first = next(i for i, t in enumerate(plain.tokens) if t.token_id == stop_at)
     assert [t.token_id for t in stopped.tokens] == [t.token_id for t in plain.tokens[:first]]
     assert stopped.finish_reason == "stop"
-    short = encode_chat(embedded.tokenizer, [{"role": "user", "content": "Answer with one word: what colour is the sky?"}])
+    short = encode_chat(
+        embedded.tokenizer, [{"role": "user", "content": "Answer with one word: what colour is the sky?"}]
+    )
     ended = generate(engine, short, "sd")
     assert ended.finish_reason == "stop" and len(ended.tokens) < 40
     ignored = generate(engine, short, "sd", ignore_eos=True)
