@@ -4,13 +4,23 @@ user error is a 400/404 before anything waits in the queue."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 from starlette.concurrency import run_in_threadpool
 
 from service.api.errors import APIError, bad_request, unsupported
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, SpeculativeOptions
 from service.api.worker import GenerationPlan
 from service.config import Settings
-from service.decoding import DecodingError, Method, SamplingParams, SpeculativeConfig
+from service.decoding import (
+    Constraint,
+    ConstraintKind,
+    DecodingError,
+    Method,
+    SamplingParams,
+    SpeculativeConfig,
+)
 from service.decoding.text import encode_chat, encode_prompt
 from service.runtime import Runtime
 
@@ -76,21 +86,33 @@ def _check_text(text: str, param: str) -> None:
         raise bad_request(f"{param} is not valid Unicode (it holds a lone surrogate)", param=param) from None
 
 
-def _completion_prompt(body: CompletionRequest) -> str:
+MAX_PROMPTS = 16  # prompts in one completions batch
+
+
+def _completion_prompts(body: CompletionRequest, vocab_size: int) -> list[str | list[int]]:
+    """The request's prompts: text, or token ids (checked against the vocabulary)."""
     prompt = body.prompt
-    if isinstance(prompt, list):
-        if not prompt:
-            raise bad_request("prompt must not be empty", param="prompt")
-        if not all(isinstance(p, str) for p in prompt):
-            raise unsupported("prompt", "a prompt of token ids (send the text instead)")
-        if len(prompt) > 1:
-            raise unsupported("prompt", f"a batch of {len(prompt)} prompts (send one prompt per request)")
-        prompt = prompt[0]
-    assert isinstance(prompt, str)
-    if not prompt:
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]  # one prompt of token ids
+    else:
+        prompts = list(prompt)
+    if not prompts:
         raise bad_request("prompt must not be empty", param="prompt")
-    _check_text(prompt, "prompt")
-    return prompt
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}", param="prompt")
+    if len(prompts) > 1 and body.stream:
+        raise unsupported("prompt", "a batch of prompts with stream: true (send one prompt per stream)")
+    for i, p in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        if not p:
+            raise bad_request("prompt must not be empty", param=param)
+        if isinstance(p, str):
+            _check_text(p, param)
+        elif any(not 0 <= t < vocab_size for t in p):
+            raise bad_request(f"token ids must be in [0, {vocab_size}) for this model", param=param)
+    return prompts
 
 
 def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -114,8 +136,17 @@ def _encode_chat(runtime: Runtime, messages: list[dict[str, str]]) -> list[int]:
 
 
 def _sampling(
-    body: CompletionRequest | ChatCompletionRequest, settings: Settings, max_tokens: int
+    body: CompletionRequest | ChatCompletionRequest,
+    settings: Settings,
+    max_tokens: int,
+    constraint: Constraint | None,
 ) -> SamplingParams:
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -123,9 +154,91 @@ def _sampling(
             top_p=body.top_p if body.top_p is not None else 1.0,
             seed=body.seed,
             stop=body.stop_list,
+            ignore_eos=bool(body.ignore_eos),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            min_tokens=body.min_tokens or 0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty if body.repetition_penalty is not None else 1.0,
+            logit_bias=tuple((int(k), float(v)) for k, v in (body.logit_bias or {}).items()),
+            logprobs=logprobs,
+            constraint=constraint,
         )
     except DecodingError as exc:
-        raise bad_request(str(exc)) from None
+        message = str(exc)
+        raise bad_request(message, param=message.split(" ", 1)[0]) from None
+
+
+def _check_token_ids(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> None:
+    for param, ids in (
+        ("logit_bias", [int(k) for k in body.logit_bias or {}]),
+        ("stop_token_ids", body.stop_token_ids or []),
+    ):
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise bad_request(f"token ids must be in [0, {vocab_size}) for this model", param=param)
+
+
+def requested_constraint(body: CompletionRequest | ChatCompletionRequest) -> tuple[Constraint, str] | None:
+    """The structured output a request asks for (OpenAI's response_format or vLLM's structured_outputs),
+    with the field to name in errors."""
+    so = body.structured_outputs
+    if so is not None:
+        given = {
+            name: value
+            for name, value in (
+                ("json", so.json_),
+                ("regex", so.regex),
+                ("choice", so.choice),
+                ("grammar", so.grammar),
+                ("json_object", so.json_object or None),
+            )
+            if value is not None
+        }
+        if len(given) != 1:
+            raise bad_request(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+                param="structured_outputs",
+            )
+        ((name, value),) = given.items()
+        if name == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise bad_request(
+                    f"structured_outputs.json is not valid JSON: {exc}", param="structured_outputs.json"
+                ) from None
+        kind = {
+            "json": ConstraintKind.JSON_SCHEMA,
+            "regex": ConstraintKind.REGEX,
+            "choice": ConstraintKind.CHOICE,
+            "grammar": ConstraintKind.GRAMMAR,
+            "json_object": ConstraintKind.JSON_OBJECT,
+        }[name]
+        return Constraint(kind, tuple(value) if name == "choice" else value), f"structured_outputs.{name}"
+    rf = body.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return Constraint(ConstraintKind.JSON_OBJECT), "response_format"
+    if rf.json_schema is None:
+        raise bad_request("response_format of type json_schema needs a json_schema", param="response_format")
+    if rf.json_schema.schema_ is None:  # a name without a schema: any JSON object
+        return Constraint(ConstraintKind.JSON_OBJECT), "response_format"
+    return Constraint(
+        ConstraintKind.JSON_SCHEMA, rf.json_schema.schema_
+    ), "response_format.json_schema.schema"
+
+
+async def _constraint(body: CompletionRequest | ChatCompletionRequest, runtime: Runtime) -> Constraint | None:
+    requested = requested_constraint(body)
+    if requested is None:
+        return None
+    constraint, param = requested
+    try:  # compiling a large schema takes a while: off the event loop
+        await run_in_threadpool(runtime.target.grammar.check, constraint)
+    except DecodingError as exc:
+        raise bad_request(str(exc), param=param) from None
+    return constraint
 
 
 def _max_tokens(requested: int | None, param: str, prompt_len: int, settings: Settings, context: int) -> int:
@@ -170,24 +283,42 @@ def check_request(
         )
 
 
-async def plan_completion(body: CompletionRequest, settings: Settings, runtime: Runtime) -> GenerationPlan:
+async def plan_completion(
+    body: CompletionRequest, settings: Settings, runtime: Runtime
+) -> list[GenerationPlan]:
+    """One plan per prompt of the request."""
     check_request(body, settings, runtime)
-    prompt = _completion_prompt(body)
+    tokenizer = runtime.target.tokenizer
+    prompts = _completion_prompts(body, runtime.target.vocab_size)
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens 0 generates nothing; it only makes sense with echo", param="max_tokens")
     spec, drafter = speculative_config(settings, body.speculative, runtime)
-    # Tokenising a long prompt takes a while: off the event loop.
-    ids = await run_in_threadpool(encode_prompt, runtime.target.tokenizer, prompt)
-    return _plan(body, ids, spec, drafter, settings, runtime)
+    constraint = await _constraint(body, runtime)
+    plans = []
+    for prompt in prompts:
+        # Tokenising a long prompt takes a while: off the event loop.
+        if isinstance(prompt, str):
+            ids = await run_in_threadpool(encode_prompt, tokenizer, prompt)
+            text = prompt
+        else:
+            ids = list(prompt)
+            text = await run_in_threadpool(tokenizer.decode, ids) if body.echo else ""
+        plan = _plan(body, ids, spec, drafter, settings, runtime, constraint)
+        echo = dict(echo_text=text, prompt_logprobs=body.logprobs) if body.echo else {}
+        plans.append(dataclasses.replace(plan, generate=body.max_tokens != 0, **echo))
+    return plans
 
 
 async def plan_chat(body: ChatCompletionRequest, settings: Settings, runtime: Runtime) -> GenerationPlan:
     check_request(body, settings, runtime)
     messages = _chat_messages(body)
     spec, drafter = speculative_config(settings, body.speculative, runtime)
+    constraint = await _constraint(body, runtime)
     try:
         ids = await run_in_threadpool(_encode_chat, runtime, messages)
     except DecodingError as exc:
         raise bad_request(str(exc), param="messages") from None
-    return _plan(body, ids, spec, drafter, settings, runtime)
+    return _plan(body, ids, spec, drafter, settings, runtime, constraint)
 
 
 def _plan(
@@ -197,16 +328,23 @@ def _plan(
     drafter: str,
     settings: Settings,
     runtime: Runtime,
+    constraint: Constraint | None = None,
 ) -> GenerationPlan:
     if not ids:
         raise bad_request("the prompt encodes to no tokens", param="prompt")
-    max_tokens = _max_tokens(
-        body.requested_max_tokens, body.max_tokens_param, len(ids), settings, runtime.target.max_context
-    )
+    n = body.n or 1
+    if n > settings.max_batch_size:
+        raise bad_request(
+            f"n is {n}; this server runs at most {settings.max_batch_size} sequences at once", param="n"
+        )
+    _check_token_ids(body, runtime.target.vocab_size)
+    requested = body.requested_max_tokens or None  # 0 (echo only) scores the prompt: no budget needed
+    max_tokens = _max_tokens(requested, body.max_tokens_param, len(ids), settings, runtime.target.max_context)
     return GenerationPlan(
         prompt_ids=ids,
-        sampling=_sampling(body, settings, max_tokens),
+        sampling=_sampling(body, settings, max_tokens, constraint),
         spec=spec,
         drafter=drafter,
         return_provenance=bool(body.speculative and body.speculative.return_provenance),
+        n=n,
     )

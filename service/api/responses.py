@@ -1,13 +1,20 @@
 """Build OpenAI's response and stream-chunk shapes from the engine's events.
 
 One formatter per endpoint: `CompletionFormatter` (object "text_completion") and `ChatFormatter`
-("chat.completion" / "chat.completion.chunk", whose first chunk carries the assistant role).
+("chat.completion" / "chat.completion.chunk", whose first chunk of each choice carries the assistant role).
+A request's results arrive as `PromptResult`s (one per prompt: completions may send a batch), each with its
+`ChoiceResult`s (n per prompt); choices are numbered prompt by prompt, as OpenAI and vLLM do.
+
+Logprobs: the chat shape (`{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`) and the legacy
+completions shape (parallel `tokens` / `token_logprobs` / `top_logprobs` / `text_offset` lists, whose
+top dictionaries always hold the chosen token, as vLLM's do). A token's text is its own decoding.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
@@ -18,16 +25,21 @@ from service.api.schemas import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionResponse,
     ProvenanceToken,
     SpeculativeStats,
     SpeculativeTokens,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
-from service.api.worker import GenerationPlan, StepEvent
+from service.api.worker import DoneEvent, GenerationPlan, PromptEvent, StepEvent
 from service.decoding import GenerationStats
+from service.decoding.types import EmittedToken, combined_stats
 
 
 def usage(stats: GenerationStats) -> Usage:
@@ -55,6 +67,7 @@ def speculative_stats(
         rescue_rate=round(stats.rescue_rate, 4),
         tokens_per_forward=round(stats.tokens_per_forward, 4),
         target_forwards=stats.target_forwards,
+        forced_tokens=stats.forced_tokens,
         tokens=tokens,
     )
 
@@ -75,6 +88,89 @@ def provenance_tokens(event: StepEvent) -> list[ProvenanceToken]:
     return out
 
 
+@dataclass
+class ChoiceResult:
+    """One choice's output, gathered from its events."""
+
+    index: int
+    text: str = ""
+    finish_reason: str = "stop"
+    stats: GenerationStats | None = None
+    provenance: list[ProvenanceToken] = field(default_factory=list)
+    tokens: list[EmittedToken] = field(default_factory=list)  # with logprobs: every emitted token
+    texts: dict[int, str] = field(default_factory=dict)  # token id -> text, for logprobs
+
+    def add_step(self, event: StepEvent) -> None:
+        self.provenance.extend(provenance_tokens(event))
+        if event.logprob_texts is not None:
+            self.tokens.extend(event.tokens)
+            self.texts.update(event.logprob_texts)
+
+    def finish(self, event: DoneEvent) -> None:
+        self.text, self.finish_reason, self.stats = event.text, event.finish_reason, event.stats
+
+
+@dataclass
+class PromptResult:
+    """One prompt of a request: its choices, and its own logprobs when echo asked for them."""
+
+    plan: GenerationPlan
+    choices: list[ChoiceResult]
+    prompt: PromptEvent | None = None
+
+    @property
+    def done(self) -> bool:
+        return all(c.stats is not None for c in self.choices)
+
+
+def request_stats(results: list[PromptResult]) -> GenerationStats:
+    """A request's totals: each prompt counted once, every choice's output."""
+    parts = [c.stats for r in results for c in r.choices if c.stats is not None]
+    return combined_stats(parts, sum(len(r.plan.prompt_ids) for r in results))
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(tokens: list[EmittedToken], texts: dict[int, str]) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            TokenLogprob(
+                token=texts[t.token_id],
+                logprob=t.logprob if t.logprob is not None else 0.0,
+                bytes=_bytes(texts[t.token_id]),
+                top_logprobs=[
+                    TopLogprob(token=texts[i], logprob=lp, bytes=_bytes(texts[i])) for i, lp in t.top_logprobs
+                ],
+            )
+            for t in tokens
+        ]
+    )
+
+
+def completion_logprobs(
+    entries: list[tuple[int, float | None, tuple[tuple[int, float], ...] | None]],
+    texts: dict[int, str],
+    offset: int = 0,
+) -> CompletionLogprobs:
+    """entries: (token id, its logprob or None, its alternatives or None) in text order."""
+    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for token, logprob, top in entries:
+        text = texts[token]
+        out.tokens.append(text)
+        out.token_logprobs.append(logprob)
+        if logprob is None:
+            out.top_logprobs.append(None)
+        else:
+            alternatives = {texts[i]: lp for i, lp in top or ()}
+            alternatives.setdefault(text, logprob)
+            out.top_logprobs.append(alternatives)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
 class Formatter:
     """What one request's responses share: id, creation time, model name, usage chunk or not."""
 
@@ -87,6 +183,10 @@ class Formatter:
         self.plan = plan
         self.include_usage = include_usage
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.plan.sampling.logprobs is not None
+
     def _dump(self, chunk: BaseModel) -> dict:
         # OpenAI sends "usage": null on every chunk but the last when include_usage is on, and no key when off.
         return chunk.model_dump(mode="json", exclude=None if self.include_usage else {"usage"})
@@ -94,18 +194,19 @@ class Formatter:
     def opening_chunks(self) -> list[dict]:
         return []
 
+    def prompt_chunks(self, event: PromptEvent) -> list[dict]:
+        return []
+
     def step_chunk(self, event: StepEvent) -> dict | None:
         raise NotImplementedError
 
-    def finish_chunk(self, finish_reason: str, stats: GenerationStats) -> dict:
+    def finish_chunk(self, index: int, finish_reason: str, stats: GenerationStats) -> dict:
         raise NotImplementedError
 
     def usage_chunk(self, stats: GenerationStats) -> dict:
         raise NotImplementedError
 
-    def response(
-        self, text: str, finish_reason: str, stats: GenerationStats, tokens: list[ProvenanceToken] | None
-    ) -> dict:
+    def response(self, results: list[PromptResult]) -> dict:
         raise NotImplementedError
 
     def _step_speculative(self, event: StepEvent) -> SpeculativeTokens | None:
@@ -115,24 +216,65 @@ class Formatter:
 
     def _wants_chunk(self, event: StepEvent) -> bool:
         # A round whose text is held back (half a character, a possible stop string) sends nothing, unless
-        # the client asked for provenance: then the tokens go out as they are decided.
-        return bool(event.text) or (self.plan.return_provenance and event.num_tokens > 0)
+        # the client asked for provenance or logprobs: then the tokens go out as they are decided.
+        asked = self.plan.return_provenance or self.wants_logprobs
+        return bool(event.text) or (asked and event.num_tokens > 0)
+
+    def _choices(self, results: list[PromptResult]) -> list[tuple[int, PromptResult, ChoiceResult]]:
+        """(request-wide index, its prompt, the choice), numbered prompt by prompt."""
+        out, index = [], 0
+        for result in results:
+            for choice in result.choices:
+                out.append((index, result, choice))
+                index += 1
+        return out
+
+    def _speculative(self, results: list[PromptResult]) -> SpeculativeStats:
+        provenance = None
+        if self.plan.return_provenance:
+            provenance = [t for r in results for c in r.choices for t in c.provenance]
+        return speculative_stats(self.plan, request_stats(results), provenance)
 
 
 class CompletionFormatter(Formatter):
     id_prefix = "cmpl"
 
+    def __init__(
+        self, model: str, plan: GenerationPlan, include_usage: bool = False, echo: str | None = None
+    ) -> None:
+        super().__init__(model, plan, include_usage)
+        self.echo = echo  # the prompt's text, when the request asked for it back
+
     def _chunk(self, **kwargs: object) -> CompletionChunk:
         return CompletionChunk(id=self.id, created=self.created, model=self.model, **kwargs)  # type: ignore[arg-type]
+
+    def opening_chunks(self) -> list[dict]:
+        if self.echo is None or self.plan.prompt_logprobs is not None:  # with logprobs: at the PromptEvent
+            return []
+        choices = [CompletionChoice(index=i, text=self.echo, finish_reason=None) for i in range(self.plan.n)]
+        return [self._dump(self._chunk(choices=choices))]
+
+    def prompt_chunks(self, event: PromptEvent) -> list[dict]:
+        if self.echo is None:
+            return []
+        logprobs = completion_logprobs(_prompt_entries(event), event.texts)
+        choices = [
+            CompletionChoice(index=i, text=self.echo, logprobs=logprobs, finish_reason=None)
+            for i in range(self.plan.n)
+        ]
+        return [self._dump(self._chunk(choices=choices))]
 
     def step_chunk(self, event: StepEvent) -> dict | None:
         if not self._wants_chunk(event):
             return None
-        choice = CompletionChoice(text=event.text, finish_reason=None)
+        logprobs = None
+        if event.logprob_texts is not None:
+            logprobs = completion_logprobs(_emitted_entries(event.tokens), event.logprob_texts)
+        choice = CompletionChoice(index=event.index, text=event.text, logprobs=logprobs, finish_reason=None)
         return self._dump(self._chunk(choices=[choice], speculative=self._step_speculative(event)))
 
-    def finish_chunk(self, finish_reason: str, stats: GenerationStats) -> dict:
-        choice = CompletionChoice(text="", finish_reason=finish_reason)  # type: ignore[arg-type]
+    def finish_chunk(self, index: int, finish_reason: str, stats: GenerationStats) -> dict:
+        choice = CompletionChoice(index=index, text="", finish_reason=finish_reason)  # type: ignore[arg-type]
         return self._dump(self._chunk(choices=[choice], speculative=speculative_stats(self.plan, stats)))
 
     def usage_chunk(self, stats: GenerationStats) -> dict:
@@ -140,17 +282,52 @@ class CompletionFormatter(Formatter):
             self._chunk(choices=[], usage=usage(stats), speculative=speculative_stats(self.plan, stats))
         )
 
-    def response(
-        self, text: str, finish_reason: str, stats: GenerationStats, tokens: list[ProvenanceToken] | None
-    ) -> dict:
+    def response(self, results: list[PromptResult]) -> dict:
+        choices = []
+        for index, result, choice in self._choices(results):
+            text, entries, texts = choice.text, [], dict(choice.texts)
+            echo = _echo_text(result) if self.echo is not None else None
+            if echo is not None:
+                text = echo + text
+                if result.prompt is not None:
+                    entries.extend(_prompt_entries(result.prompt))
+                    texts.update(result.prompt.texts)
+            logprobs = None
+            if self.wants_logprobs:
+                entries.extend(_emitted_entries(choice.tokens))
+                logprobs = completion_logprobs(entries, texts)
+            choices.append(
+                CompletionChoice(
+                    index=index, text=text, logprobs=logprobs, finish_reason=choice.finish_reason
+                )  # type: ignore[arg-type]
+            )
         return CompletionResponse(
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=[CompletionChoice(text=text, finish_reason=finish_reason)],  # type: ignore[arg-type]
-            usage=usage(stats),
-            speculative=speculative_stats(self.plan, stats, tokens),
+            choices=choices,
+            usage=usage(request_stats(results)),
+            speculative=self._speculative(results),
         ).model_dump(mode="json")
+
+
+def _echo_text(result: PromptResult) -> str:
+    return result.plan.echo_text or ""
+
+
+def _prompt_entries(
+    event: PromptEvent,
+) -> list[tuple[int, float | None, tuple[tuple[int, float], ...] | None]]:
+    return [
+        (token, None, None) if entry is None else (token, entry[0], entry[1])
+        for token, entry in zip(event.tokens, event.logprobs, strict=True)
+    ]
+
+
+def _emitted_entries(
+    tokens: list[EmittedToken],
+) -> list[tuple[int, float | None, tuple[tuple[int, float], ...]]]:
+    return [(t.token_id, t.logprob, t.top_logprobs) for t in tokens]
 
 
 class ChatFormatter(Formatter):
@@ -160,17 +337,24 @@ class ChatFormatter(Formatter):
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, **kwargs)  # type: ignore[arg-type]
 
     def opening_chunks(self) -> list[dict]:
-        delta = ChatDelta(role="assistant", content="")
-        return [self._dump(self._chunk(choices=[ChatChunkChoice(delta=delta)]))]
+        return [
+            self._dump(
+                self._chunk(choices=[ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            )
+            for i in range(self.plan.n)
+        ]
 
     def step_chunk(self, event: StepEvent) -> dict | None:
         if not self._wants_chunk(event):
             return None
-        choice = ChatChunkChoice(delta=ChatDelta(content=event.text))
+        logprobs = None
+        if event.logprob_texts is not None:
+            logprobs = chat_logprobs(event.tokens, event.logprob_texts)
+        choice = ChatChunkChoice(index=event.index, delta=ChatDelta(content=event.text), logprobs=logprobs)
         return self._dump(self._chunk(choices=[choice], speculative=self._step_speculative(event)))
 
-    def finish_chunk(self, finish_reason: str, stats: GenerationStats) -> dict:
-        choice = ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)  # type: ignore[arg-type]
+    def finish_chunk(self, index: int, finish_reason: str, stats: GenerationStats) -> dict:
+        choice = ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish_reason)  # type: ignore[arg-type]
         return self._dump(self._chunk(choices=[choice], speculative=speculative_stats(self.plan, stats)))
 
     def usage_chunk(self, stats: GenerationStats) -> dict:
@@ -178,14 +362,21 @@ class ChatFormatter(Formatter):
             self._chunk(choices=[], usage=usage(stats), speculative=speculative_stats(self.plan, stats))
         )
 
-    def response(
-        self, text: str, finish_reason: str, stats: GenerationStats, tokens: list[ProvenanceToken] | None
-    ) -> dict:
+    def response(self, results: list[PromptResult]) -> dict:
+        choices = [
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=choice.text),
+                logprobs=chat_logprobs(choice.tokens, choice.texts) if self.wants_logprobs else None,
+                finish_reason=choice.finish_reason,  # type: ignore[arg-type]
+            )
+            for index, _, choice in self._choices(results)
+        ]
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)],  # type: ignore[arg-type]
-            usage=usage(stats),
-            speculative=speculative_stats(self.plan, stats, tokens),
+            choices=choices,
+            usage=usage(request_stats(results)),
+            speculative=self._speculative(results),
         ).model_dump(mode="json")

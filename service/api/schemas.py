@@ -2,8 +2,10 @@
 
 Requests are validated strictly (a string is not a number, a number is not a string): a wrong type is a 400
 naming the field. Unknown top-level fields are ignored, as vLLM does, so newer clients keep working; fields
-we know but do not support (n > 1, logprobs, tools, ...) are refused by `unsupported_field()` with a 400
-that names them. The `speculative` extension object is ours, so it refuses unknown keys (typos).
+we know but do not support (audio, predicted outputs, ...) are refused by `unsupported_field()` with a 400
+that names them. The `speculative` extension object is ours, so it refuses unknown keys (typos). vLLM's
+extra sampling parameters (`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`structured_outputs`) are accepted where OpenAI has none.
 """
 
 from __future__ import annotations
@@ -12,12 +14,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 MethodName = Literal["vanilla", "sd", "lossy", "csd"]
 ProvenanceName = Literal["accepted", "rescued", "recovered", "bonus", "plain"]
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+# A token id; the model's vocabulary size bounds it too (checked per request, where the model is known).
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 MAX_STOP_SEQUENCES = 16
+MAX_CHOICES = 16  # n: choices share the batch, whose default size is 16
+MAX_LOGPROBS = 20
 
 
 class _Request(BaseModel):
@@ -54,6 +61,32 @@ class SpeculativeOptions(_Request):
     )
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON Schema")
+    strict: bool | None = Field(None, description="accepted; the schema is always enforced exactly")
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's structured-output parameters: exactly one of them."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON Schema")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect) or GBNF")
+    json_object: bool | None = None
+
+
 class _GenerationRequest(_Request):
     model: str = Field(description="the served model id (see GET /v1/models)")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
@@ -65,11 +98,19 @@ class _GenerationRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
-    # Known OpenAI fields we do not support: accepted at their neutral values, refused otherwise.
-    n: int | None = Field(None, ge=1, description="only 1 is supported")
-    presence_penalty: float | None = Field(None, description="not supported (only 0)")
-    frequency_penalty: float | None = Field(None, description="not supported (only 0)")
-    logit_bias: dict[str, Any] | None = Field(None, description="not supported")
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices (they share one prompt prefill)")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100]"
+    )
+    # vLLM's extra sampling parameters
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -81,14 +122,9 @@ class _GenerationRequest(_Request):
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """(field, what) for the first field set to something we cannot honour, or None."""
-        if self.n not in (None, 1):
-            return "n", "n > 1 (several choices per request)"
-        if self.presence_penalty not in (None, 0):
-            return "presence_penalty", "presence_penalty"
-        if self.frequency_penalty not in (None, 0):
-            return "frequency_penalty", "frequency_penalty"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias"
+        rf = self.response_format
+        if self.structured_outputs is not None and rf is not None and rf.type != "text":
+            return "structured_outputs", "structured_outputs together with a response_format"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options without stream: true"
         return None
@@ -115,21 +151,18 @@ class _GenerationRequest(_Request):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="the prompt text (a list holding one string is accepted too)"
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        description="the prompt: text, token ids, or a batch of either (one choice set per prompt)"
     )
-    echo: bool | None = Field(None, description="not supported")
-    logprobs: int | None = Field(None, description="not supported")
+    max_tokens: int | None = Field(None, ge=0, description="tokens to generate at most; 0 with echo scores")
+    echo: bool | None = Field(None, description="return the prompt before the completion")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
     best_of: int | None = Field(None, description="not supported (only 1)")
     suffix: str | None = Field(None, description="not supported")
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs"
-        if self.best_of not in (None, 1):
-            return "best_of", "best_of > 1"
+        if self.best_of not in (None, 1, self.n):
+            return "best_of", "best_of other than n (server-side ranking of choices)"
         if self.suffix is not None:
             return "suffix", "suffix"
         return super().unsupported_field()
@@ -167,29 +200,22 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="the newer name of max_tokens")
-    logprobs: bool | None = Field(None, description="not supported")
-    top_logprobs: int | None = Field(None, description="not supported")
+    logprobs: bool | None = Field(None, description="return the log-probability of each output token")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives per token")
     tools: list[Any] | None = Field(None, description="not supported")
     tool_choice: Any = Field(None, description="not supported (only 'none')")
     functions: list[Any] | None = Field(None, description="not supported")
     function_call: Any = Field(None, description="not supported")
-    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'}")
     modalities: list[str] | None = Field(None, description="only ['text']")
     audio: Any = Field(None, description="not supported")
     prediction: Any = Field(None, description="not supported")
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        if self.logprobs:
-            return "logprobs", "logprobs"
-        if self.top_logprobs is not None:
-            return "top_logprobs", "top_logprobs"
         for name in ("tools", "functions", "function_call", "audio", "prediction"):
             if getattr(self, name):
                 return name, f"{name} (tool and function calling, audio, predicted outputs)"
         if self.tool_choice not in (None, "none"):
             return "tool_choice", "tool_choice"
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            return "response_format", "a response_format other than text"
         if self.modalities is not None and set(self.modalities) - {"text"}:
             return "modalities", "output modalities other than text"
         for i, message in enumerate(self.messages):
@@ -251,6 +277,9 @@ class SpeculativeStats(BaseModel):
     rescue_rate: float = Field(description="rescued / draft tokens")
     tokens_per_forward: float = Field(description="tokens per target forward (vLLM's mean acceptance length)")
     target_forwards: int
+    forced_tokens: int = Field(
+        0, description="structured output: draft tokens the grammar forced (jump-forward)"
+    )
     tokens: list[ProvenanceToken] | None = Field(
         None, exclude_if=_absent_if_none, description="with return_provenance"
     )
@@ -263,10 +292,34 @@ class SpeculativeTokens(BaseModel):
     draft_tokens: int = Field(0, description="draft tokens this round verified (for live acceptance rates)")
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token (None for the prompt's first)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -290,7 +343,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -323,7 +376,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 

@@ -5,6 +5,8 @@
 - After that, a stream carries `data: {chunk}` events and ends with `data: [DONE]`; an error mid-stream is
   sent as a last `data: {"error": ...}` event, then `[DONE]`.
 - A client that goes away cancels its job; the worker stops it between two decoding rounds.
+- A request is one job per prompt (completions may send a batch), each with its n choices; the JSON answer
+  waits for all of them, a stream (one prompt) interleaves its choices' chunks as their rounds finish.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
 from service.api.errors import CLIENT_CLOSED_REQUEST, RATE_LIMIT, SERVER, APIError, sse_error_event
-from service.api.responses import Formatter, provenance_tokens
+from service.api.responses import ChoiceResult, Formatter, PromptResult, request_stats
 from service.api.state import ServiceState
 from service.api.worker import (
     DoneEvent,
@@ -29,6 +31,7 @@ from service.api.worker import (
     Event,
     GenerationPlan,
     Job,
+    PromptEvent,
     QueueFull,
     StepEvent,
 )
@@ -59,15 +62,18 @@ def admit(state: ServiceState, worker: EngineWorker, plan: GenerationPlan, arriv
 
 
 @contextlib.asynccontextmanager
-async def cancel_on_disconnect(request: Request, worker: EngineWorker, job: Job) -> AsyncIterator[None]:
-    """While inside, a client disconnect cancels the job (the body was read already, so the next ASGI
+async def cancel_on_disconnect(
+    request: Request, worker: EngineWorker, jobs: list[Job]
+) -> AsyncIterator[None]:
+    """While inside, a client disconnect cancels the jobs (the body was read already, so the next ASGI
     message can only be the disconnect)."""
 
     async def watch() -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                worker.cancel(job, "client disconnected")
+                for job in jobs:
+                    worker.cancel(job, "client disconnected")
                 return
 
     watcher = asyncio.get_running_loop().create_task(watch())
@@ -93,60 +99,77 @@ async def respond(
     request: Request,
     state: ServiceState,
     worker: EngineWorker,
-    plan: GenerationPlan,
+    plans: list[GenerationPlan],
     formatter: Formatter,
     stream: bool,
     arrived: float,
 ) -> Response:
-    """`arrived`: time.monotonic() when the request came in; its timeout and latency metrics count from it."""
-    job = admit(state, worker, plan, arrived)
+    """`arrived`: time.monotonic() when the request came in; its timeout and latency metrics count from it.
+    A stream takes one plan."""
+    jobs: list[Job] = []
     try:
-        async with cancel_on_disconnect(request, worker, job):
+        for plan in plans:
+            jobs.append(admit(state, worker, plan, arrived))
+        async with cancel_on_disconnect(request, worker, jobs):
             if stream:
-                first = await next_event(worker, job)
+                first = await next_event(worker, jobs[0])
                 if isinstance(first, ErrorEvent):
                     raise first.error
             else:
-                return JSONResponse(await _collect(worker, job, formatter))
+                results = [await _collect(worker, job) for job in jobs]
+                return JSONResponse(formatter.response(results))
     except BaseException:
-        worker.cancel(job, "request failed")
+        for job in jobs:
+            worker.cancel(job, "request failed")
         raise
     return StreamingResponse(
-        _stream(worker, job, formatter, first), media_type="text/event-stream", headers=SSE_HEADERS
+        _stream(worker, jobs[0], formatter, first), media_type="text/event-stream", headers=SSE_HEADERS
     )
 
 
-async def _collect(worker: EngineWorker, job: Job, formatter: Formatter) -> dict:
-    tokens = [] if job.plan.return_provenance else None
-    while True:
+def _new_result(plan: GenerationPlan) -> PromptResult:
+    return PromptResult(plan, [ChoiceResult(index=i) for i in range(plan.n if plan.generate else 1)])
+
+
+async def _collect(worker: EngineWorker, job: Job) -> PromptResult:
+    result = _new_result(job.plan)
+    while not result.done:
         event = await next_event(worker, job)
         if isinstance(event, ErrorEvent):
             raise event.error
-        if isinstance(event, StepEvent):
-            if tokens is not None:
-                tokens.extend(provenance_tokens(event))
+        if isinstance(event, PromptEvent):
+            result.prompt = event
+        elif isinstance(event, StepEvent):
+            result.choices[event.index].add_step(event)
         elif isinstance(event, DoneEvent):
-            return formatter.response(event.text, event.finish_reason, event.stats, tokens)
+            result.choices[event.index].finish(event)
+    return result
 
 
 async def _stream(worker: EngineWorker, job: Job, formatter: Formatter, first: Event) -> AsyncIterator[bytes]:
     finished = False
+    result = _new_result(job.plan)
     try:
         for chunk in formatter.opening_chunks():
             yield sse(chunk)
         event = first
         while True:
-            if isinstance(event, StepEvent):
+            if isinstance(event, PromptEvent):
+                for chunk in formatter.prompt_chunks(event):
+                    yield sse(chunk)
+            elif isinstance(event, StepEvent):
                 chunk = formatter.step_chunk(event)
                 if chunk is not None:
                     yield sse(chunk)
             elif isinstance(event, DoneEvent):
-                yield sse(formatter.finish_chunk(event.finish_reason, event.stats))
-                if formatter.include_usage:
-                    yield sse(formatter.usage_chunk(event.stats))
-                yield DONE
-                finished = True
-                return
+                result.choices[event.index].finish(event)
+                yield sse(formatter.finish_chunk(event.index, event.finish_reason, event.stats))
+                if result.done:
+                    if formatter.include_usage:
+                        yield sse(formatter.usage_chunk(request_stats([result])))
+                    yield DONE
+                    finished = True
+                    return
             elif isinstance(event, ErrorEvent):
                 raise event.error
             event = await next_event(worker, job)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -26,6 +27,7 @@ from service.api.metrics import ServiceMetrics
 from service.decoding import DecodingError, Engine, GenerationStats, SamplingParams, SpeculativeConfig
 from service.decoding.batch import DEFAULT_MAX_BATCHED_TOKENS, Batch
 from service.decoding.generation import Generation
+from service.decoding.scoring import prompt_logprobs
 from service.decoding.types import EmittedToken, GenerationStep
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,22 @@ class GenerationPlan:
     drafter: str  # the engine's drafter name ("ngram", "model")
     return_provenance: bool = False
     internal: bool = False  # a readiness probe: proves the engine works, counts in no metric
+    n: int = 1  # choices of this prompt: one prefill, then one batch row each
+    # completions' echo with logprobs: score the prompt too, with this many top alternatives per token
+    prompt_logprobs: int | None = None
+    generate: bool = True  # False: score the prompt only (max_tokens 0)
+    echo_text: str | None = None  # completions' echo: the prompt as text
+
+    @property
+    def rows(self) -> int:
+        """Batch rows the plan occupies."""
+        return self.n if self.generate else 0
+
+    def sampling_for(self, index: int) -> SamplingParams:
+        """Choice `index`'s sampling: with a seed, each choice gets its own stream (seed + index)."""
+        if index == 0 or self.sampling.seed is None:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=(self.sampling.seed + index) % 2**64)
 
     @property
     def method(self) -> str:
@@ -62,6 +80,9 @@ class StepEvent:
     tokens: list[EmittedToken] = field(default_factory=list)
     token_texts: list[tuple[str, str | None]] | None = None  # (text, replaced text), when asked for
     draft_tokens: int = 0  # draft tokens this round verified, so a client can show live acceptance
+    index: int = 0  # the choice (0 .. n - 1)
+    # with logprobs: the text of every token id the round's logprobs name (chosen and alternatives)
+    logprob_texts: dict[int, str] | None = None
 
 
 @dataclass
@@ -69,6 +90,17 @@ class DoneEvent:
     finish_reason: str
     text: str
     stats: GenerationStats
+    index: int = 0
+
+
+@dataclass
+class PromptEvent:
+    """The prompt's own logprobs (echo with logprobs), before any step: per prompt token (logprob, top
+    alternatives), None for the first."""
+
+    tokens: list[int]
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None]
+    texts: dict[int, str]
 
 
 @dataclass
@@ -76,7 +108,7 @@ class ErrorEvent:
     error: APIError
 
 
-Event = StepEvent | DoneEvent | ErrorEvent
+Event = StepEvent | DoneEvent | ErrorEvent | PromptEvent
 
 
 class QueueFull(Exception):
@@ -134,6 +166,7 @@ class _Active:
     generation: Generation
     started: float
     last_round_end: float | None = None
+    index: int = 0  # the job's choice this generation answers
 
 
 class EngineWorker:
@@ -181,8 +214,10 @@ class EngineWorker:
         with self._lock:
             if self._stopping:
                 raise APIError(503, "the server is shutting down", type=UNAVAILABLE, code="shutting_down")
-            in_system = len(self._waiting) + self._starting + self.running
-            if not priority and in_system >= self.max_batch_size + self.max_queue:
+            # counted in batch rows: a request for n choices takes n
+            in_system = sum(max(1, j.plan.rows) for j in self._waiting) + self._starting + self.running
+            rows = max(1, job.plan.rows)
+            if not priority and in_system + rows > self.max_batch_size + self.max_queue:
                 raise QueueFull(self._retry_after(in_system))
             if priority:
                 self._waiting.appendleft(job)
@@ -280,30 +315,41 @@ class EngineWorker:
             if self._stopping and not self._active:
                 return False
             taken: list[Job] = []
-            while (
-                self._waiting
-                and self._batch.has_room
-                and len(taken) + len(self._active) < self.max_batch_size
-            ):
+            taken_rows = 0
+            while self._waiting:
+                rows = self._waiting[0].plan.rows
+                if rows > self._batch.room() - taken_rows or taken_rows + rows + len(self._active) > (
+                    self.max_batch_size
+                ):
+                    break
                 taken.append(self._waiting.popleft())
-            self._starting += len(taken)
+                taken_rows += rows
+            self._starting += taken_rows
             self.metrics.requests_waiting.set(len(self._waiting))
         for job in taken:
             try:
-                self._start(
-                    job
-                )  # into `_active` (or answered with an error) before it stops counting as starting
+                # into `_active` (or answered with an error) before it stops counting as starting
+                self._start(job)
             finally:
                 with self._lock:
-                    self._starting -= 1
+                    self._starting -= job.plan.rows
         self._set_running()
         return True
 
     def _start(self, job: Job) -> None:
         plan = job.plan
         try:
-            generation = self.engine.generate(plan.prompt_ids, plan.sampling, plan.spec, drafter=plan.drafter)
-            self._batch.add(generation)
+            if plan.prompt_logprobs is not None:
+                job._deliver(self._score_prompt(plan))
+            if not plan.generate:
+                stats = GenerationStats(prompt_tokens=len(plan.prompt_ids))
+                job._deliver(DoneEvent("length", "", stats))
+                return
+            generations = [
+                self.engine.generate(plan.prompt_ids, plan.sampling_for(i), plan.spec, drafter=plan.drafter)
+                for i in range(plan.n)
+            ]
+            self._batch.add_group(generations)
         except DecodingError as exc:
             job._deliver(ErrorEvent(APIError(400, str(exc), code="invalid_value")))
             return
@@ -313,7 +359,20 @@ class EngineWorker:
             return
         if not plan.internal:
             self.metrics.prompt_tokens.labels(plan.method, plan.drafter_label).inc(len(plan.prompt_ids))
-        self._active.append(_Active(job, generation, time.monotonic()))
+        started = time.monotonic()
+        self._active.extend(_Active(job, g, started, index=i) for i, g in enumerate(generations))
+
+    def _score_prompt(self, plan: GenerationPlan) -> PromptEvent:
+        top_n = plan.prompt_logprobs or 0
+        scored = prompt_logprobs(self.engine.target, plan.prompt_ids, top_n)
+        ids = set(plan.prompt_ids) | {i for entry in scored if entry for i, _ in entry[1]}
+        return PromptEvent(list(plan.prompt_ids), scored, self._texts(ids))
+
+    def _texts(self, ids: set[int]) -> dict[int, str]:
+        """Token id -> its text (one tokenizer call for all)."""
+        ordered = sorted(ids)
+        texts = self.engine.target.tokenizer.batch_decode([[i] for i in ordered])
+        return dict(zip(ordered, texts, strict=True))
 
     def _drop_stopped(self) -> None:
         """Cancelled or timed-out jobs leave the batch before the next round."""
@@ -359,6 +418,10 @@ class EngineWorker:
                 (text, None if t.replaced_token_id is None else next(replaced_texts))
                 for t, text in zip(step.tokens, texts, strict=True)
             ]
+        logprob_texts = None
+        if plan.sampling.logprobs is not None:
+            ids = {t.token_id for t in step.tokens} | {i for t in step.tokens for i, _ in t.top_logprobs}
+            logprob_texts = self._texts(ids)
         job._deliver(
             StepEvent(
                 step.text,
@@ -367,6 +430,8 @@ class EngineWorker:
                 list(step.tokens),
                 token_texts,
                 step.round.num_draft_tokens,
+                index=active.index,
+                logprob_texts=logprob_texts,
             )
         )
 
@@ -374,7 +439,11 @@ class EngineWorker:
         job, plan, generation = active.job, active.job.plan, active.generation
         if not plan.internal:
             self.metrics.e2e.labels(plan.method, plan.drafter_label).observe(now - job.arrived)
-        job._deliver(DoneEvent(generation.finish_reason or "stop", generation.text, generation.stats))
+        job._deliver(
+            DoneEvent(
+                generation.finish_reason or "stop", generation.text, generation.stats, index=active.index
+            )
+        )
         self._mean_job_seconds = 0.8 * self._mean_job_seconds + 0.2 * (now - active.started)
 
     @staticmethod

@@ -57,8 +57,9 @@ class Batch:
         self.kv = BatchKV(target.model, target.device)
         self.hidden = target.final_hidden  # installs the capture before the first forward
         self.running: list[Generation] = []  # row b of self.kv is running[b]
-        # sequences whose prompts are going in, each with its own one-row target cache
-        self.joining: collections.deque[tuple[Generation, BatchKV]] = collections.deque()
+        # prompts going in, each with its own one-row target cache: a group of sequences that share the
+        # prompt (a request's n choices) is prefilled once and joins as one row per sequence
+        self.joining: collections.deque[tuple[list[Generation], BatchKV]] = collections.deque()
         # per drafter (by name): its state for this batch's sequences (draft caches, n-gram indexes)
         self.drafters: dict[str, BatchDrafter] = {}
         self._round_width = 0  # tokens the last decoding round fed (rows x (1 + draft cap))
@@ -69,26 +70,39 @@ class Batch:
     # ------------------------------------------------------------------ membership
 
     def __len__(self) -> int:
-        return len(self.running) + len(self.joining)
+        return len(self.running) + sum(len(group) for group, _ in self.joining)
 
     @property
     def has_room(self) -> bool:
         return len(self) < self.max_batch_size
 
+    def room(self) -> int:
+        """How many more sequences fit."""
+        return self.max_batch_size - len(self)
+
     def add(self, generation: Generation) -> None:
-        if not self.has_room:
+        self.add_group([generation])
+
+    def add_group(self, generations: list[Generation]) -> None:
+        """Sequences of one prompt (a request's choices): one prefill, then one row each."""
+        if len(generations) > self.room():
             raise DecodingError(f"the batch is full ({self.max_batch_size} sequences)")
-        if generation.target is not self.target:
-            raise DecodingError("a batch runs sequences of one target model")
-        if generation.drafter is not None and generation.drafter.name not in self.drafters:
-            self.drafters[generation.drafter.name] = generation.drafter.rows()
-        self.joining.append((generation, BatchKV(self.target.model, self.target.device, rows=1)))
+        if any(g.prompt_ids != generations[0].prompt_ids for g in generations):
+            raise DecodingError("a group of sequences shares one prompt")
+        for generation in generations:
+            if generation.target is not self.target:
+                raise DecodingError("a batch runs sequences of one target model")
+            if generation.drafter is not None and generation.drafter.name not in self.drafters:
+                self.drafters[generation.drafter.name] = generation.drafter.rows()
+        self.joining.append((list(generations), BatchKV(self.target.model, self.target.device, rows=1)))
 
     def remove(self, generation: Generation) -> None:
         """Take a sequence out (cancelled or finished); the others carry on untouched."""
-        for i, (joining, _) in enumerate(self.joining):
-            if joining is generation:
-                del self.joining[i]
+        for i, (group, _) in enumerate(self.joining):
+            if any(g is generation for g in group):
+                group[:] = [g for g in group if g is not generation]
+                if not group:
+                    del self.joining[i]
                 drafter = self._drafter_of(generation)
                 if drafter is not None:
                     drafter.leave(generation)
@@ -132,25 +146,33 @@ class Batch:
     def _prefill_chunk(self) -> None:
         if not self.joining:
             return
-        generation, own = self.joining[0]
+        group, own = self.joining[0]
+        first = group[0]
         size = self.max_batched_tokens
         if self.running:  # share the step's token budget with the running rows' round
             size = max(min(MIN_PREFILL_CHUNK, size), size - max(self._round_width, len(self.running)))
-        chunk = generation.prefill_ids[generation.prefilled : generation.prefilled + size]
+        chunk = first.prefill_ids[first.prefilled : first.prefilled + size]
         if chunk:
             started = time.perf_counter()
             # logits_to_keep=1 skips the vocabulary projection of the prompt: only its cache is wanted
             own.forward([chunk], logits_to_keep=1)
-            generation.target_hidden = self._final_hidden()[0, -1]
-            drafter = self._drafter_of(generation)
-            if drafter is not None:
-                drafter.prefill(generation, chunk)
-            generation.prefilled += len(chunk)
-            generation.stats.prefill_seconds += time.perf_counter() - started
-        if generation.prefilled >= len(generation.prefill_ids):
+            hidden = self._final_hidden()[0, -1]
+            for generation in group:
+                generation.target_hidden = hidden
+                drafter = self._drafter_of(generation)
+                if drafter is not None:
+                    drafter.prefill(generation, chunk)
+                generation.prefilled += len(chunk)
+            seconds = time.perf_counter() - started
+            for generation in group:
+                generation.stats.prefill_seconds += seconds
+        if first.prefilled >= len(first.prefill_ids):
             self.joining.popleft()
+            for _ in group[1:]:  # the other choices get copies of the one prefilled cache
+                self.kv.add(own.copy())
             self.kv.add(own)
-            self.running.append(generation)
+            # rows were added copies first: row order is the group's order either way (all copies are equal)
+            self.running.extend(group)
 
     def _final_hidden(self) -> torch.Tensor:
         """The target's final hidden states of the forward that just ran, [B, T, d]."""

@@ -18,6 +18,7 @@ live (a request served alone) no mask is passed at all: the single-request path 
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 
@@ -125,6 +126,14 @@ class BatchKV:
             self._compact()
 
     # ------------------------------------------------------------------ rows joining and leaving
+
+    def copy(self) -> BatchKV:
+        """An independent copy (for choices that share one prompt's prefill)."""
+        clone = BatchKV(self.model, self.device)
+        clone.cache = copy.deepcopy(self.cache)
+        clone.slots = [list(s) for s in self.slots]
+        clone.mask = self.mask.clone()
+        return clone
 
     def add(self, other: BatchKV) -> None:
         """Append the rows of `other` (e.g. a prefilled request); `other` must not be used afterwards."""

@@ -53,6 +53,7 @@ from service.decoding.verification import (
 # The draft policy's key for drafts the grammar forced (jump-forward): their survival is learnt apart from
 # the drafter's own guesses.
 FORCED_KEY = -1
+IMPOSSIBLE_LOGPROB = -9999.0
 
 
 def rescue_rule_for(
@@ -207,6 +208,8 @@ class Generation:
         (greedy reports the processed distribution at temperature 1), plus the top alternatives."""
         temperature = 1.0 if self.sampling.greedy else self.sampling.temperature
         logprobs = torch.log_softmax(logits[: len(tokens)].float() / temperature, dim=-1)
+        # a token the grammar (or a -100 bias) rules out: OpenAI's -9999.0 instead of -inf, which JSON lacks
+        logprobs = logprobs.clamp_min(IMPOSSIBLE_LOGPROB)
         top_n = self.sampling.logprobs or 0
         if top_n:
             values, ids = logprobs.topk(top_n, dim=-1)

@@ -29,6 +29,7 @@ import llguidance
 import llguidance.hf
 import llguidance.torch as lltorch
 import torch
+from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 from transformers import PreTrainedTokenizerBase
 
 from service.decoding.types import Constraint, ConstraintKind, DecodingError
@@ -61,8 +62,10 @@ def grammar_source(constraint: Constraint) -> str:
         if kind is ConstraintKind.GRAMMAR:
             if not isinstance(value, str) or not value.strip():
                 raise DecodingError("a grammar constraint must be a non-empty Lark grammar")
+            if "::=" in value:  # GBNF (llama.cpp's, and vLLM's xgrammar backend's): convert to Lark
+                value = gbnf_to_lark(value)
             return llguidance.LLMatcher.grammar_from_lark(value)
-    except ValueError as exc:
+    except (ValueError, GbnfToLarkError) as exc:
         raise DecodingError(f"invalid {kind.value} constraint: {exc}") from None
     raise DecodingError(f"unknown constraint kind {kind!r}")
 

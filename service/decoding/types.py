@@ -11,7 +11,8 @@ Vocabulary (shared with the API, the metrics and the docs):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from enum import Enum
 
 
@@ -271,6 +272,24 @@ class GenerationStats:
             "grammar_seconds": round(self.grammar_seconds, 6),
             "forced_tokens": self.forced_tokens,
         }
+
+
+def combined_stats(parts: Sequence[GenerationStats], prompt_tokens: int) -> GenerationStats:
+    """The totals of several generations (a request's choices); `prompt_tokens` counts each prompt once."""
+    total = GenerationStats(prompt_tokens=prompt_tokens)
+    for part in parts:
+        for f in fields(GenerationStats):
+            if f.name == "prompt_tokens":
+                continue
+            value = getattr(part, f.name)
+            if isinstance(value, list):
+                mine = getattr(total, f.name)
+                mine.extend([0] * (len(value) - len(mine)))
+                for i, count in enumerate(value):
+                    mine[i] += count
+            else:
+                setattr(total, f.name, getattr(total, f.name) + value)
+    return total
 
 
 def _add_positions(totals: list[int], flags: list[bool]) -> None:

@@ -104,7 +104,7 @@ def test_errors_raise_the_matching_openai_exceptions(api_server: Server, model: 
         client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
     assert not_found.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, n=2)
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, n=99)
     assert bad.value.body["param"] == "n"
 
 

@@ -28,6 +28,7 @@ from service.decoding.batch import MIN_PREFILL_CHUNK, Batch
 from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.draft_policy import DraftPolicy
 from service.decoding.text import encode_chat
+from service.decoding.types import DecodingError
 from tests.decoding.test_lossless import assert_same_tokens
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -371,3 +372,38 @@ def test_models_with_sliding_window_layers_are_not_batched(embedded):
     )  # fmt: skip
     assert not supports_batching(tiny_mistral)
     assert supports_batching(embedded.model)
+
+
+def test_choices_of_one_prompt_share_its_prefill_and_decode_as_if_alone(embedded, prompt_ids, alone):
+    """A request's n choices: one prefill forward per chunk for the group, then one row each; at
+    temperature 0 every choice equals the prompt decoded alone, and a choice cancelled while the group is
+    still joining leaves the others alone."""
+    index = next(i for i, (_, method) in enumerate(PROMPTS) if method == "sd")
+    group = [make_generation(embedded, prompt_ids[index], "sd") for _ in range(3)]
+    batch = Batch(embedded, max_batch_size=4, max_batched_tokens=CHUNK)
+    batch.add_group(group)
+    assert len(batch) == 3 and batch.room() == 1
+    with pytest.raises(DecodingError, match="full"):
+        batch.add_group([make_generation(embedded, prompt_ids[index], "sd") for _ in range(2)])
+    batch.remove(group[2])  # cancelled before its prompt is in
+    calls = []
+    hook = embedded.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        run_batch(batch, {})
+        grouped = len(calls)
+        calls.clear()
+        single = make_generation(embedded, prompt_ids[index], "sd")
+        run_batch(Batch(embedded, max_batch_size=1, max_batched_tokens=CHUNK), {0: [single]})
+    finally:
+        hook.remove()
+    # the same forwards as one sequence alone: prefill chunks once for the group, every round shared
+    assert grouped == len(calls)
+    for g in group[:2]:
+        assert [t.token_id for t in g.tokens] == [t.token_id for t in alone[index].tokens]
+    assert not group[2].tokens
+
+
+def test_a_group_shares_one_prompt(embedded, prompt_ids):
+    batch = Batch(embedded, max_batch_size=4)
+    with pytest.raises(DecodingError, match="shares one prompt"):
+        batch.add_group([make_generation(embedded, ids, "vanilla") for ids in prompt_ids[:2]])

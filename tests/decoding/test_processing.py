@@ -158,3 +158,17 @@ def test_logprobs_are_the_processed_distribution_of_each_emitted_token(engine, e
             assert t.top_logprobs[0][1] >= t.logprob - 1e-6
             committed.append(t.token_id)
             counts[t.token_id] += 1
+
+
+def test_a_rescued_token_reports_the_targets_logprob_of_the_kept_token(engine, embedded, ids):
+    """CSD's lossiness shows in the numbers: a rescued token's logprob is below the target's top choice."""
+    # strict decoding that records its rejections: the memory then knows this text's divergences
+    strict = SpeculativeConfig(method="sd")
+    run_to_end(engine.generate(ids, SamplingParams(max_tokens=40), strict, "combined", record_strict=True))
+    spec = SpeculativeConfig(method="csd", lambda_=0, tau=0.001, guard_facts=False)
+    g = run_to_end(engine.generate(ids, SamplingParams(max_tokens=40, logprobs=2), spec, "combined"))
+    rescued = [t for t in g.tokens if t.replaced_token_id is not None]
+    assert rescued, g.stats.as_dict()
+    for t in rescued:
+        best_id, best = t.top_logprobs[0]
+        assert best_id == t.replaced_token_id and best > t.logprob

@@ -59,9 +59,11 @@ async def create_completion(
     body: CompletionRequest, request: Request, state: State, runtime: ServingRuntime, worker: ServingWorker
 ) -> Response:
     arrived = time.monotonic()
-    plan = await plan_completion(body, state.settings, runtime)
-    formatter = CompletionFormatter(runtime.model_id, plan, include_usage=body.include_usage)
-    return await respond(request, state, worker, plan, formatter, stream=body.stream, arrived=arrived)
+    plans = await plan_completion(body, state.settings, runtime)
+    formatter = CompletionFormatter(
+        runtime.model_id, plans[0], include_usage=body.include_usage, echo=plans[0].echo_text
+    )
+    return await respond(request, state, worker, plans, formatter, stream=body.stream, arrived=arrived)
 
 
 @router.post(
@@ -79,4 +81,4 @@ async def create_chat_completion(
     arrived = time.monotonic()
     plan = await plan_chat(body, state.settings, runtime)
     formatter = ChatFormatter(runtime.model_id, plan, include_usage=body.include_usage)
-    return await respond(request, state, worker, plan, formatter, stream=body.stream, arrived=arrived)
+    return await respond(request, state, worker, [plan], formatter, stream=body.stream, arrived=arrived)
