@@ -40,6 +40,7 @@ import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
+from decimal import Decimal
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,19 +73,23 @@ def load_items(path: Path = DATA, limit: int | None = None) -> list[Item]:
 
 
 def check_output(text: str, schema: dict | None, finish_reason: str | None) -> tuple[str, str]:
-    """-> (status, detail): "valid", "length" (cut by the token budget), "parse" or "schema" (invalid)."""
+    """-> (status, detail): "valid", "length" (cut by the token budget), "parse" or "schema" (invalid).
+
+    Numbers, in the output and the schema, are read as decimals, as JSON writes them: in binary floating
+    point 2.4 / 0.1 is 23.999999999999996, and jsonschema would call 2.4 "not a multiple of 0.1"."""
     import jsonschema
 
     if finish_reason == "length":
         return "length", f"cut at the token budget after {len(text)} characters"
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_float=Decimal)
     except json.JSONDecodeError as exc:
         return "parse", f"{exc.msg} at character {exc.pos}"
     if schema is None:
         return (
             ("valid", "") if isinstance(value, dict) else ("schema", f"not an object: {type(value).__name__}")
         )
+    schema = json.loads(json.dumps(schema), parse_float=Decimal)
     validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
     error = jsonschema.exceptions.best_match(validator.iter_errors(value))
     if error is not None:

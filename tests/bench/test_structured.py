@@ -123,6 +123,12 @@ def test_outputs_are_parsed_validated_and_cuts_counted_apart():
     assert status == "schema" and detail.startswith("name:")
     assert check_output('{"name": "Ada", "age": 3}', PERSON, "stop")[0] == "schema"  # additionalProperties
     assert check_output('{"name": "Ada", "email": "not an address"}', PERSON, "stop")[0] == "schema"  # format
+    # multipleOf on decimals, as JSON writes them (binary floats would call 2.4 no multiple of 0.1)
+    weight = {"type": "number", "minimum": 0, "maximum": 10, "multipleOf": 0.1}
+    assert [check_output(x, weight, "stop")[0] for x in ("2.4", "0.3", "7", "2.45", "-0.1", "1e1")] == [
+        "valid", "valid", "valid", "schema", "schema", "valid",
+    ]  # fmt: skip
+    assert check_output("19.99", {"type": "number", "multipleOf": 0.01}, "stop")[0] == "valid"
     assert check_output('{"anything": [1, 2]}', None, "stop") == ("valid", "")  # json_object
     assert check_output("[1, 2]", None, "stop")[0] == "schema"
 
