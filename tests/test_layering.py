@@ -25,8 +25,9 @@ FORBIDDEN = (
     "service.runtime",
     "service.cli",
 )
-# safetensors: the weights format of transformers itself (a dependency of it), for the draft head's files
-ALLOWED_THIRD_PARTY = {"torch", "transformers", "safetensors"}
+# safetensors: the weights format of transformers itself (a dependency of it), for the draft head's files;
+# llguidance: the grammar engine that structured output masks logits with (a decoding concern, no I/O)
+ALLOWED_THIRD_PARTY = {"torch", "transformers", "safetensors", "llguidance"}
 
 
 def imported_modules(path: Path) -> set[str]:

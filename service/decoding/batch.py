@@ -161,8 +161,9 @@ class Batch:
     def _round(self) -> list[tuple[Generation, GenerationStep]]:
         started = time.perf_counter()
         rows = self.running
-        # 1. draft: every drafter proposes for its rows, up to each row's budget
-        drafts = self._propose()
+        # 1. draft: every drafter proposes for its rows, up to each row's budget; a constrained row checks its
+        # draft against its grammar (cut at a forbidden token, forced tokens drafted for free)
+        drafts = [g.constrain(d) for g, d in zip(rows, self._propose(), strict=True)]
         # 2. cap: one draft length K for the whole batch, from the draft policy (0: a plain step)
         offers = [
             (g.drafter.name, d.key, len(d.tokens)) for g, d in zip(rows, drafts, strict=True) if d.tokens

@@ -7,13 +7,20 @@ bottom in `Batch._round`). Per round a generation:
 - verifies the round's logits with its method's rule and emits (`absorb`): kept draft tokens, then one
   recovered or bonus token, through EOS, the token budget and stop strings.
 
+Before the forward, a constrained sequence (structured output) checks its draft against its grammar
+(`constrain`: cut at the first forbidden token, tokens the grammar forces drafted for free). Verification
+runs on processed logits (`processing.LogitsProcessing`: penalties, logit bias, min_tokens, the grammar's
+masks), each row processed with the draft prefix before it, as plain decoding would have processed it.
+
 Invariant between rounds: the target cache holds every committed token except the last, whose logits the
-next round's forward computes together with the draft. Vanilla decoding is the same loop with no draft, so the
+next round's forward computes together with the draft; the grammar matcher and the penalty counts hold
+exactly the committed output. Vanilla decoding is the same loop with no draft, so the
 baseline and the speculative methods share every line that is not speculation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +28,7 @@ import torch
 from service.decoding.draft_policy import DraftPolicy
 from service.decoding.drafters.base import Draft, Drafter, DraftRow
 from service.decoding.models import LoadedModel
+from service.decoding.processing import LogitsProcessing
 from service.decoding.text import IncrementalDetokenizer, StopMatcher
 from service.decoding.types import (
     DecodingError,
@@ -41,6 +49,10 @@ from service.decoding.verification import (
     verify_greedy,
     verify_sampling,
 )
+
+# The draft policy's key for drafts the grammar forced (jump-forward): their survival is learnt apart from
+# the drafter's own guesses.
+FORCED_KEY = -1
 
 
 def rescue_rule_for(
@@ -105,7 +117,18 @@ class Generation:
                 self.generator.seed()
         self.drafter = drafter if spec.speculates else None
         self.policy = policy or DraftPolicy()
-        self.eos_ids = set() if sampling.ignore_eos else target.eos_token_ids()
+        # tokens that end the generation without being part of it: EOS (unless ignored) and stop_token_ids
+        self.eos_ids = (set() if sampling.ignore_eos else target.eos_token_ids()) | set(
+            sampling.stop_token_ids
+        )
+        vocab = target.vocab_size
+        if any(not 0 <= t < vocab for t, _ in sampling.logit_bias) or any(
+            not 0 <= t < vocab for t in sampling.stop_token_ids
+        ):
+            raise DecodingError(f"token ids must be in [0, {vocab}) for this model")
+        self.processing = LogitsProcessing(sampling, self.prompt_ids, self.eos_ids, vocab, target.device)
+        self.grammar = target.grammar.matcher(sampling.constraint) if sampling.constraint else None
+        self._allowed: torch.Tensor | None = None  # this round's grammar masks, from `constrain`
         self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
         self.tokens: list[EmittedToken] = []
         self.text = ""
@@ -143,6 +166,19 @@ class Generation:
             0, min(self.spec.num_speculative_tokens if self.spec.speculates else 0, remaining - 1, room)
         )
 
+    def constrain(self, draft: Draft) -> Draft:
+        """Check this round's draft against the grammar (no-op without one): drafts what the grammar forces
+        when the drafter disagrees with it, cuts the draft at the first forbidden token and keeps the masks
+        of every position for verification."""
+        if self.grammar is None:
+            return draft
+        budget = self.draft_budget() if self.drafter is not None else 0
+        forced = self.grammar.forced_tokens(budget)
+        if forced and draft.tokens[: len(forced)] != forced:
+            draft = Draft(forced, None, FORCED_KEY)
+        valid, self._allowed = self.grammar.check_draft(draft.tokens)
+        return draft.cut(valid)
+
     def round_tokens(self, draft: Draft) -> list[int]:
         """What the round's forward feeds for this sequence: [last committed token, *draft]."""
         return [self.committed[-1], *draft.tokens]
@@ -150,13 +186,38 @@ class Generation:
     def absorb(self, draft: Draft, logits: torch.Tensor, seconds: float) -> tuple[GenerationStep, int]:
         """Verify the round's logits ([1 + len(draft), V], float32) and emit. Returns the step and how many
         of the fed tokens the cache keeps (the last committed one plus the kept draft tokens)."""
+        if self.grammar is not None or self.processing.active:
+            logits = self.processing.apply(logits, draft.tokens, len(self.tokens), self._allowed)
         verdict = self._verify(draft.tokens, draft.probs, logits)
         if draft.tokens:
             self.policy.observe(self.drafter.name, draft.key, len(draft.tokens), verdict.round.num_kept)
+            if draft.key == FORCED_KEY:
+                self.stats.forced_tokens += len(draft.tokens)
+        if self.sampling.logprobs is not None:
+            verdict.tokens = self._with_logprobs(verdict.tokens, logits)
         step = self._emit(verdict)
         self.stats.add_round(verdict.round)
         self.stats.decode_seconds += seconds
+        if self.grammar is not None:
+            self.stats.grammar_seconds = self.grammar.seconds
         return step, 1 + verdict.round.num_kept
+
+    def _with_logprobs(self, tokens: list[EmittedToken], logits: torch.Tensor) -> list[EmittedToken]:
+        """Token j of a round was chosen at row j: its logprob there, after processing and temperature
+        (greedy reports the processed distribution at temperature 1), plus the top alternatives."""
+        temperature = 1.0 if self.sampling.greedy else self.sampling.temperature
+        logprobs = torch.log_softmax(logits[: len(tokens)].float() / temperature, dim=-1)
+        top_n = self.sampling.logprobs or 0
+        if top_n:
+            values, ids = logprobs.topk(top_n, dim=-1)
+            tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        else:
+            tops = [[] for _ in tokens]
+        chosen = logprobs.gather(1, torch.tensor([[t.token_id] for t in tokens])).squeeze(1).tolist()
+        return [
+            dataclasses.replace(t, logprob=lp, top_logprobs=tuple(top))
+            for t, lp, top in zip(tokens, chosen, tops, strict=True)
+        ]
 
     def _verify(self, draft: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor) -> Verdict:
         if self.sampling.greedy:
@@ -182,11 +243,17 @@ class Generation:
                 break
             emitted.append(token)
             committed.append(token.token_id)
+            self.processing.commit([token.token_id])
             piece, stopped = stops.feed(detok.push([token.token_id]))
             text += piece
             if stopped:
                 self.finish_reason = "stop"
                 break
+            if self.grammar is not None:
+                self.grammar.commit(token.token_id)
+                if self.grammar.stopped:  # complete: only EOS could follow, so end without that forward
+                    self.finish_reason = "stop"
+                    break
             if len(self.tokens) + len(emitted) >= self.sampling.max_tokens:
                 self.finish_reason = "length"
                 break

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -23,6 +24,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from service.decoding.cpu_kernels import pack_linear_layers
 from service.decoding.paths import check_gguf_header, default_cache_dir, resolve_model_spec
 from service.decoding.types import DecodingError
+
+if TYPE_CHECKING:
+    from service.decoding.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,22 @@ class LoadedModel:
 
             ids = self.model.__dict__["_csd_fact_tokens"] = fact_token_ids(self.tokenizer)
         return ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head: the width of the logits (may exceed the tokenizer's length by padding)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """The grammar engine's view of the tokenizer (structured output); built once per model."""
+        compiler = self.model.__dict__.get("_csd_grammar")
+        if compiler is None:
+            from service.decoding.grammar import GrammarCompiler
+
+            compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids()))
+            self.model.__dict__["_csd_grammar"] = compiler
+        return compiler
 
     @property
     def max_context(self) -> int:

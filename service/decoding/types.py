@@ -158,6 +158,10 @@ class EmittedToken:
     provenance: Provenance
     # For a rescued token: the target's own top choice that it stood in for.
     replaced_token_id: int | None = None
+    # With SamplingParams.logprobs: the target's log-probability of this token after logit processing (and
+    # temperature), and its top alternatives as (token id, logprob), best first.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -200,6 +204,8 @@ class GenerationStats:
     ocm_seconds: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    grammar_seconds: float = 0.0  # structured output: time in the grammar engine (masks, draft checks)
+    forced_tokens: int = 0  # structured output: draft tokens the grammar forced (jump-forward), verified
 
     def add_round(self, r: RoundStats) -> None:
         self.target_forwards += 1
@@ -262,6 +268,8 @@ class GenerationStats:
             "ocm_seconds": round(self.ocm_seconds, 6),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_seconds": round(self.decode_seconds, 4),
+            "grammar_seconds": round(self.grammar_seconds, 6),
+            "forced_tokens": self.forced_tokens,
         }
 
 
