@@ -246,11 +246,14 @@ def table(summary: dict[str, dict]) -> list[str]:
             if r["same_as_vanilla"] is not None
             else "-"
         )
+        forced = "n/a" if r["forced_tokens"] is None else f"{r['forced_tokens']:.0f}"
+        if r["forced_tokens"] and r["tokens"]:
+            forced += f" ({100 * r['forced_tokens'] / r['tokens']:.0f} % of tokens)"
         lines.append(
             f"| {method} | {r['valid']}/{r['items']} ({100 * r['valid'] / r['items']:.0f} %) | {r['length']} "
             f"| {r['invalid']} | {r['tokens']} | {_num(r['tokens_per_second'], '{:.1f}')} "
             f"| {_num(r['speedup'], '{:.2f}x')} | {_num(r['tokens_per_forward'])} | {drafted} | {r['rescued']} "
-            f"| {_pct(r['grammar_share'])} | {_num(r['forced_tokens'], '{:.0f}')} | {same} |"
+            f"| {_pct(r['grammar_share'])} | {forced} | {same} |"
         )
     return lines
 
@@ -273,8 +276,9 @@ def markdown(outcomes: list[Outcome], meta: dict) -> str:
         "",
         "valid: parses and validates (jsonschema, Draft 2020-12); tok/s: completion tokens over the calls' wall "
         "time; tok/fwd: completion tokens per target forward; grammar share: `grammar_seconds` (mask computation "
-        "+ draft checking) over the wall time; forced tokens: tokens the grammar forced (jump-forward); same as "
-        "vanilla: outputs equal to vanilla's token for token.",
+        "+ draft checking) over the wall time; forced tokens: draft tokens the grammar forced (jump-forward: "
+        "drafted for free, the only token the mask allows), with their share of the output; same as vanilla: "
+        "outputs equal to vanilla's token for token.",
         "",
         "## Every item",
         "",

@@ -200,7 +200,10 @@ def test_the_markdown_shows_every_method_and_the_failures():
     assert "Machine: m" in text and "Reproduce: `c`" in text and "torch threads 1" in text
     assert "| sd | 31/31 (100 %) | 0 | 0 | 305 | 12.4 | 1.24x | 2.44 |" in text
     assert "| csd | 30/31 (97 %) | 1 |" in text
+    assert "| 93 (30 % of tokens) |" in text  # forced tokens (jump-forward) with their share of the output
     assert "| i3 | csd | length |" in text
+    bare = markdown(run_of(30, sd_seconds=0.8, grammar=False), meta)
+    assert "| n/a | n/a | 31/31 |" in bare  # an engine without grammar_seconds / forced_tokens
     assert "| every response parses and validates against its schema, every method | missed |" in text
 
 
