@@ -17,7 +17,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TOKENIZERS_PARALLELISM=false \
     CSD_HOST=0.0.0.0 \
     CSD_PORT=8000 \
-    CSD_CACHE_DIR=/var/cache/csd-serve
+    CSD_CACHE_DIR=/var/cache/csd-serve \
+    HF_HOME=/var/cache/csd-serve/huggingface
 
 # A fixed numeric uid/gid, so Kubernetes' runAsNonRoot can check it and volumes can be chowned to it.
 RUN groupadd --system --gid 10001 csd \
@@ -50,7 +51,8 @@ RUN pip install --no-deps . \
     && mkdir -p /var/cache/csd-serve \
     && chown csd:csd /var/cache/csd-serve
 
-# Converted model weights and the in-process OCM file live here: mount a volume to keep them across restarts.
+# Converted model weights, hub downloads (HF_HOME) and the in-process OCM file live here: mount a volume to keep
+# them across restarts. Nothing else is written but /tmp, so the root filesystem can be read-only.
 VOLUME ["/var/cache/csd-serve"]
 
 USER 10001:10001

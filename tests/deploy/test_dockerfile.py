@@ -17,7 +17,7 @@ import threading
 import pytest
 import tomllib
 
-from tests.deploy.support import REPO, dockerfile_instructions, dockerfile_user, free_port
+from tests.deploy.support import REPO, dockerfile_env, dockerfile_instructions, dockerfile_user, free_port
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 INSTRUCTIONS = dockerfile_instructions()
@@ -32,12 +32,7 @@ def _index(predicate) -> int:
 
 
 def _env() -> dict[str, str]:
-    env = {}
-    for args in _all("ENV"):
-        for pair in shlex.split(args):
-            key, _, value = pair.partition("=")
-            env[key] = value
-    return env
+    return dockerfile_env()
 
 
 def _args() -> dict[str, str]:
@@ -175,6 +170,8 @@ def test_port_cache_volume_and_offline_settings_agree():
     assert _all("EXPOSE") == [env["CSD_PORT"]]
     assert _exec_form(_all("VOLUME")[0]) == [env["CSD_CACHE_DIR"]]
     assert env["HF_HUB_OFFLINE"] == "1"
+    # hub downloads go to the cache volume, not to ~/.cache on the (read-only) root filesystem
+    assert env["HF_HOME"].startswith(env["CSD_CACHE_DIR"] + "/")
     # the cache folder is created and handed to the runtime user before USER switches
     assert any(f"chown csd:csd {env['CSD_CACHE_DIR']}" in a for a in _all("RUN"))
     assert _index(lambda k, a: k == "RUN" and "chown csd:csd" in a) < _index(lambda k, a: k == "USER")
