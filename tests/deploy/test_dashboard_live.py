@@ -376,3 +376,19 @@ def test_dockerfile_healthcheck_passes_against_the_service(live):
     assert command[0] == "python"
     proc = subprocess.run([sys.executable, *command[1:]], env={"CSD_PORT": str(live["port"])}, timeout=30)
     assert proc.returncode == 0
+
+
+def test_the_endpoint_picker_finds_its_metrics_on_the_running_service(live):
+    """What the inference gateway's endpoint picker scrapes from each pool member (the model server protocol,
+    tests/deploy/fixtures/model-server-protocol.yaml), on the real service's /metrics, without an API key."""
+    protocol = yaml.safe_load((FIXTURES / "model-server-protocol.yaml").read_text())
+    families = {f.name: f for f in text_string_to_metric_families(live["metrics"])}
+    for metric in protocol["metrics"]:
+        family = families[metric["name"]]
+        assert family.type == metric["type"], metric
+        (sample,) = family.samples  # one series per server: the picker needs no aggregation
+        if "range" in metric:
+            low, high = metric["range"]
+            assert low <= sample.value <= high, sample
+        for label in metric.get("labels", []):
+            assert label in sample.labels, (metric, sample)

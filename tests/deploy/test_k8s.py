@@ -433,3 +433,84 @@ def test_redis_starts_with_the_statefulset_configuration(rendered, example_secre
             probe, env={"PATH": os.environ["PATH"], "REDISCLI_AUTH": "wrong"}, timeout=10, capture_output=True
         )
         assert bad.returncode != 0
+
+
+# ---------------------------------------------------------------- the inference gateway example
+
+GATEWAY = K8S / "inference-gateway"
+SCHEMAS = K8S.parents[1] / "tests/deploy/schemas"
+CRD_SCHEMAS = {
+    "InferencePool": json.loads((SCHEMAS / "inferencepool-inference-v1.json").read_text()),
+    "HTTPRoute": json.loads((SCHEMAS / "httproute-gateway-v1.json").read_text()),
+}
+PROTOCOL = yaml.safe_load((K8S.parents[1] / "tests/deploy/fixtures/model-server-protocol.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def gateway() -> list[dict]:
+    return render(GATEWAY)
+
+
+def test_inference_gateway_example_validates_against_the_checked_in_schemas(gateway):
+    assert sorted(r["kind"] for r in gateway) == ["HTTPRoute", "InferencePool"]
+    for resource in gateway:
+        jsonschema.validate(resource, CRD_SCHEMAS[resource["kind"]])
+
+
+def test_inference_gateway_schemas_catch_mistakes(gateway):
+    pool, route = find(gateway, "InferencePool"), find(gateway, "HTTPRoute")
+    mistakes = [
+        (pool, lambda p: p["spec"].update(targetPortNumber=8000)),  # the v1alpha2 field, gone in v1
+        (
+            pool,
+            lambda p: p["spec"].update(selector={"app.kubernetes.io/name": "csd-serve"}),
+        ),  # no matchLabels
+        (pool, lambda p: p["spec"]["targetPorts"][0].update(number=70000)),
+        (pool, lambda p: p["spec"]["endpointPickerRef"].update(failureMode="Open")),
+        (route, lambda r: r["spec"]["rules"][0].update(backendRef=r["spec"]["rules"][0]["backendRefs"])),
+        (route, lambda r: r["spec"]["rules"][0]["matches"][0]["path"].update(type="Prefix")),
+    ]
+    for resource, mutate in mistakes:
+        broken = json.loads(json.dumps(resource))
+        mutate(broken)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, CRD_SCHEMAS[resource["kind"]])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_pool_routes_to_the_csd_serve_pods(rendered, example_secrets, gateway, overlay):
+    resources = rendered[overlay]
+    pool, route = find(gateway, "InferencePool"), find(gateway, "HTTPRoute")
+    deployment = _serve(resources)
+    assert pool["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    workloads = [r for r in resources if r["kind"] in ("Deployment", "StatefulSet")]
+    members = [
+        w["metadata"]["name"]
+        for w in workloads
+        if selector_matches(pool["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])
+    ]
+    assert members == ["csd-serve"], "the pool holds the csd-serve replicas and nothing else"
+    spec = container(deployment, "csd-serve")
+    (target,) = pool["spec"]["targetPorts"]
+    assert target["number"] == next(p["containerPort"] for p in spec["ports"] if p["name"] == "http")
+    (rule,) = route["spec"]["rules"]
+    (backend,) = rule["backendRefs"]
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        "inference.networking.k8s.io",
+        "InferencePool",
+        pool["metadata"]["name"],
+    )
+    api_paths = [m["path"]["value"] for m in rule["matches"]]
+    assert all(any(path.startswith(prefix) for prefix in api_paths) for path in PROTOCOL["api"])
+    settings = settings_from_environment(container_environment(resources, spec, example_secrets))
+    timeout = rule["timeouts"]["request"]
+    assert timeout.endswith("s") and int(timeout[:-1]) > settings.request_timeout_s, (
+        "the service times out first"
+    )
+
+
+def test_the_pool_members_export_what_the_endpoint_picker_reads():
+    """The model server protocol's metrics, under the names the endpoint picker scrapes, of the types it
+    expects (checked on the running service by test_dashboard_live.py)."""
+    for metric in PROTOCOL["metrics"]:
+        assert metric["type"] == "gauge" and metric["name"] in GAUGES, metric
