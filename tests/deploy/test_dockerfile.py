@@ -241,11 +241,11 @@ def test_the_lock_pins_every_project_requirement():
         assert req.specifier.contains(pins[name], prereleases=True), f"{line}: the lock pins {pins[name]}"
 
 
-def _index_reachable(pins: dict[str, str]) -> bool:
-    """Whether pip reaches its configured package index: one small pinned wheel, metadata only."""
+def _index_reachable(pins: dict[str, str], tmp_path) -> bool:
+    """Whether pip reaches its configured package index: one small pinned wheel."""
     name = "idna" if "idna" in pins else sorted(pins)[0]
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", "/tmp/csd-lock-probe",
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp_path),
          f"{name}=={pins[name]}"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -253,7 +253,7 @@ def _index_reachable(pins: dict[str, str]) -> bool:
 
 
 @pytest.mark.timeout(300)
-def test_the_lock_resolves_to_itself_against_the_package_index():
+def test_the_lock_resolves_to_itself_against_the_package_index(tmp_path):
     """pip, resolving the lock plus the Dockerfile's torch against the index this machine uses, installs
     exactly the lock (metadata only, a dry run): every pin exists there, and no dependency is missing or
     conflicting, so `pip install --no-deps -r requirements.lock` in the image is complete. Skips only outside
@@ -261,7 +261,7 @@ def test_the_lock_resolves_to_itself_against_the_package_index():
     from tests.deploy.support import in_ci
 
     pins = LOCK.read_lock()
-    if not _index_reachable(pins) and not in_ci():
+    if not _index_reachable(pins, tmp_path) and not in_ci():
         pytest.skip("pip reaches no package index from here")
     requirements = [f"{name}=={version}" for name, version in pins.items()]
     resolved = LOCK.resolve([*requirements, f"torch=={_args()['TORCH_VERSION']}"])

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import subprocess
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -514,3 +515,42 @@ def test_the_pool_members_export_what_the_endpoint_picker_reads():
     expects (checked on the running service by test_dashboard_live.py)."""
     for metric in PROTOCOL["metrics"]:
         assert metric["type"] == "gauge" and metric["name"] in GAUGES, metric
+
+
+def test_a_full_redis_refuses_writes_and_the_store_says_so(rendered, tmp_path):
+    """Why noeviction (redis.conf): at maxmemory Redis refuses the OCM's writes instead of silently dropping
+    keys, and the store keeps serving what it learned, keeps the increments buffered and reports itself
+    degraded. The real redis-server with the ConfigMap's redis.conf; once data is in, maxmemory is lowered
+    below it, as if the patterns had filled Redis."""
+    from ocm_store import Namespace
+    from ocm_store.redis_store import RedisStore
+
+    resources = rendered["overlays/cpu"]
+    text, option = _redis_conf(resources, _redis(resources))
+    port = free_port()
+    conf = text.replace(f"port {option['port']}", f"port {port}").replace(
+        f"dir {option['dir']}", f"dir {tmp_path}"
+    )
+    (tmp_path / "redis.conf").write_text(conf)
+    namespace = Namespace("target@rev", "ngram", "vocab")
+    with redis_server(tmp_path, [str(tmp_path / "redis.conf")], port):
+        client = redis.Redis(port=port)
+        client.set("csd:learned", "x" * 2_000_000)  # stands for the patterns already stored
+        client.config_set("maxmemory", "1mb")
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            client.set("csd:probe", "x")
+        store = RedisStore(f"redis://127.0.0.1:{port}/0", flush_interval_s=0.05, max_backoff_s=0.2)
+        try:
+            memory = store.memory(namespace)
+            for _ in range(3):
+                memory.record([(7, 1007)])
+            deadline = time.monotonic() + 10
+            while store.status().healthy and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status = store.status()
+            assert not status.healthy, status
+            assert memory.counts([(7, 1007)]) == [3], "what the replica learned still rescues"
+            # nothing evicted (an LRU policy would have dropped the stored key to make room), nothing written
+            assert client.keys("*") == [b"csd:learned"]
+        finally:
+            store.close()
