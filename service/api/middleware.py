@@ -1,7 +1,9 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer streaming responses).
 
 - `RequestMetricsMiddleware` counts every HTTP response by route and status code, including the ones that
-  never reach a route (401, 404, 413, 429, 5xx).
+  never reach a route (401, 404, 413, 429, 5xx), except probes and scrapes (`/health`, `/ready`,
+  `/metrics`), as vLLM does: they would be half of a quiet server's responses, and /ready's 503s while the
+  model loads would show as server errors.
 - `BodyLimitMiddleware` refuses request bodies over the limit with 413 before any parsing: at once when
   Content-Length says so, or as soon as a chunked body grows past it.
 """
@@ -13,6 +15,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api.errors import CLIENT_CLOSED_REQUEST, APIError, error_response
 from service.api.metrics import ServiceMetrics
 
+# Kubelet probes and Prometheus scrapes: not traffic.
+UNCOUNTED_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
 
 class RequestMetricsMiddleware:
     def __init__(self, app: ASGIApp, metrics: ServiceMetrics, paths: frozenset[str] = frozenset()) -> None:
@@ -21,7 +26,7 @@ class RequestMetricsMiddleware:
         self.paths = paths  # the app's route paths, for responses sent before routing (413)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in UNCOUNTED_PATHS:
             await self.app(scope, receive, send)
             return
         status: int | None = None
@@ -44,7 +49,7 @@ class RequestMetricsMiddleware:
             if endpoint is None:
                 endpoint = scope["path"] if scope["path"] in self.paths else "unmatched"
             code = status if status is not None else CLIENT_CLOSED_REQUEST
-            self.metrics.requests.labels(endpoint, str(code)).inc()
+            self.metrics.requests.labels(self.metrics.model_name, endpoint, str(code)).inc()
 
 
 class BodyLimitMiddleware:

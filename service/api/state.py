@@ -21,6 +21,7 @@ from service.api.metrics import OCMStoreCollector, ServiceMetrics
 from service.api.worker import DoneEvent, EngineWorker, ErrorEvent, GenerationPlan, Job
 from service.config import Settings
 from service.decoding import DecodingError, Method, SamplingParams, SpeculativeConfig
+from service.decoding.paths import model_display_name
 from service.decoding.text import encode_prompt
 from service.runtime import Runtime
 
@@ -37,8 +38,14 @@ class ServiceState:
         on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings
-        self.metrics = ServiceMetrics(settings.num_speculative_tokens)
-        self.metrics.registry.register(OCMStoreCollector(self.store_status))
+        # model_name as clients name the model (`Runtime.model_id`), known before the model loads
+        self.metrics = ServiceMetrics(
+            settings.num_speculative_tokens,
+            model_name=settings.served_model_name or model_display_name(settings.model),
+            max_batch_size=settings.max_batch_size,
+            max_tokens=settings.max_tokens_cap,
+        )
+        self.metrics.registry.register(OCMStoreCollector(self.store_status, self.metrics.model_name))
         self.runtime: Runtime | None = None
         self._given_runtime = runtime
         self.worker: EngineWorker | None = None
@@ -89,6 +96,7 @@ class ServiceState:
         self.runtime = runtime
         settings = self.settings
         default_drafter = settings.drafter if settings.speculative_config().speculates else "none"
+        self.metrics.max_batch_size = runtime.settings.max_batch_size  # 1 when the model cannot be batched
         self.metrics.touch(settings.method.value, default_drafter, settings.num_speculative_tokens)
         self.worker = EngineWorker(
             runtime.engine,

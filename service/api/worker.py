@@ -167,6 +167,7 @@ class _Active:
     started: float
     last_round_end: float | None = None
     index: int = 0  # the job's choice this generation answers
+    first_round_end: float | None = None  # when its first tokens came (prefill done), for vLLM's phases
 
 
 class EngineWorker:
@@ -233,8 +234,9 @@ class EngineWorker:
                 return
             job.cancel_reason = reason
             job._cancelled.set()
-            with contextlib.suppress(ValueError):
+            if job in self._waiting:  # never started: it leaves as an aborted request
                 self._waiting.remove(job)
+                self._record_left(job, "abort")
             self.metrics.requests_waiting.set(len(self._waiting))
 
     def _retry_after(self, in_system: int) -> int:
@@ -275,6 +277,7 @@ class EngineWorker:
                 log.exception("engine failed during a batched round; failing the batch's requests")
                 for active in self._active:
                     active.job._deliver(ErrorEvent(_engine_failure()))
+                    self._record_left(active.job, "error")
                 self._active = []
                 self._batch.clear()
                 self._set_running()
@@ -288,6 +291,7 @@ class EngineWorker:
             for generation, error in self._batch.failed:  # the batch already dropped them
                 active = by_generation[id(generation)]
                 active.job._deliver(ErrorEvent(_generation_error(error)))
+                self._record_left(active.job, "error")
                 finished.append(active)
             for generation, step in results:
                 active = by_generation[id(generation)]
@@ -296,6 +300,7 @@ class EngineWorker:
                 except Exception:
                     log.exception("failed to deliver a generation step")
                     active.job._deliver(ErrorEvent(_engine_failure()))
+                    self._record_left(active.job, "error")
                     self._batch.remove(generation)
                     finished.append(active)
                     continue
@@ -358,7 +363,7 @@ class EngineWorker:
             job._deliver(ErrorEvent(_engine_failure()))
             return
         if not plan.internal:
-            self.metrics.prompt_tokens.labels(plan.method, plan.drafter_label).inc(len(plan.prompt_ids))
+            self.metrics.record_start(plan.method, plan.drafter_label, len(plan.prompt_ids))
         started = time.monotonic()
         self._active.extend(_Active(job, g, started, index=i) for i, g in enumerate(generations))
 
@@ -385,6 +390,7 @@ class EngineWorker:
                 log.debug("job stopped between rounds: %s", job.cancel_reason or "timeout")
                 self._batch.remove(active.generation)
                 job._deliver(ErrorEvent(_stopped(job.cancel_reason or "timeout")))
+                self._record_left(job, "abort")
             else:
                 kept.append(active)
         if len(kept) != len(self._active):
@@ -392,20 +398,23 @@ class EngineWorker:
             self._set_running()
 
     def _set_running(self) -> None:
-        self.metrics.requests_running.set(len(self._active))
+        self.metrics.set_running(len(self._active))
+
+    def _record_left(self, job: Job, finished_reason: str) -> None:
+        """A request that leaves without finishing (abort, error), for vLLM's request_success counter."""
+        if not job.plan.internal:
+            self.metrics.record_finish(
+                job.plan.method, job.plan.drafter_label, finished_reason, arrived=job.arrived,
+                now=time.monotonic(),
+            )  # fmt: skip
 
     def _deliver_step(self, active: _Active, step: GenerationStep, now: float) -> None:
         job, plan = active.job, active.job.plan
         if not plan.internal:
-            self._record_step(
-                self.metrics,
-                plan.method,
-                plan.drafter_label,
-                step,
-                now - job.arrived,
-                active.last_round_end,
-                now,
-            )
+            since_last = None if active.last_round_end is None else now - active.last_round_end
+            self.metrics.record_step(plan.method, plan.drafter_label, step, now - job.arrived, since_last)
+        if active.first_round_end is None:
+            active.first_round_end = now
         active.last_round_end = now
         token_texts = None
         if plan.return_provenance:
@@ -438,31 +447,23 @@ class EngineWorker:
     def _finish(self, active: _Active, now: float) -> None:
         job, plan, generation = active.job, active.job.plan, active.generation
         if not plan.internal:
-            self.metrics.e2e.labels(plan.method, plan.drafter_label).observe(now - job.arrived)
+            self.metrics.record_finish(
+                plan.method,
+                plan.drafter_label,
+                generation.finish_reason or "stop",
+                arrived=job.arrived,
+                started=active.started,
+                first_token=active.first_round_end,
+                now=now,
+                prompt_tokens=len(plan.prompt_ids),
+                generation_tokens=generation.stats.completion_tokens,
+            )
         job._deliver(
             DoneEvent(
                 generation.finish_reason or "stop", generation.text, generation.stats, index=active.index
             )
         )
         self._mean_job_seconds = 0.8 * self._mean_job_seconds + 0.2 * (now - active.started)
-
-    @staticmethod
-    def _record_step(
-        m: ServiceMetrics,
-        method: str,
-        drafter: str,
-        step: GenerationStep,
-        since_arrival: float,
-        last_round_end: float | None,
-        now: float,
-    ) -> None:
-        m.record_round(method, drafter, step.round)
-        if step.tokens:
-            m.generation_tokens.labels(method, drafter).inc(len(step.tokens))
-        if last_round_end is None:
-            m.ttft.labels(method, drafter).observe(since_arrival)
-        else:
-            m.itl.labels(method, drafter).observe(now - last_round_end)
 
 
 def _stopped(reason: str) -> APIError:

@@ -42,10 +42,15 @@ def embedded_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
 
 
+def model_display_name(spec: str) -> str:
+    """The name a model spec loads under (`LoadedModel.name`), known without loading or finding it."""
+    return EMBEDDED_NAME if spec.lower() in _EMBEDDED_ALIASES else spec
+
+
 def resolve_model_spec(spec: str) -> tuple[str, Path | None, str | None]:
     """spec -> (display name, local path or None for a hub id, gguf file name or None)."""
     if spec.lower() in _EMBEDDED_ALIASES:
-        return EMBEDDED_NAME, embedded_gguf_path(), EMBEDDED_GGUF
+        return model_display_name(spec), embedded_gguf_path(), EMBEDDED_GGUF
     path = Path(spec).expanduser()
     if path.is_file():
         return spec, path, path.name

@@ -63,7 +63,7 @@ class Server:
 
 
 class Metrics:
-    """A scrape: `m.value("csd_generation_tokens_total", method="csd")` sums the matching samples."""
+    """A scrape: `m.value("vllm:generation_tokens_total", method="csd")` sums the matching samples."""
 
     def __init__(self, text: str) -> None:
         self.text = text

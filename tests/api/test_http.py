@@ -188,31 +188,84 @@ def test_metrics_count_a_request(api_server: Server) -> None:
     assert delta("csd_requests_total", endpoint="/v1/completions", status_code="200") == 1
     assert delta("csd_requests_total", endpoint="/v1/completions", status_code="404") == 1
     assert delta("csd_requests_total", endpoint="/v1/completions", status_code="401") == 1
-    assert delta("csd_generation_tokens_total", **labels) == usage["completion_tokens"]
-    assert delta("csd_prompt_tokens_total", **labels) == usage["prompt_tokens"]
+    assert delta("vllm:generation_tokens_total", **labels) == usage["completion_tokens"]
+    assert delta("vllm:prompt_tokens_total", **labels) == usage["prompt_tokens"]
     assert delta("csd_target_forwards_total", **labels) == spec["target_forwards"]
-    assert delta("csd_spec_decode_num_draft_tokens_total", **labels) == spec["draft_tokens"]
-    assert delta("csd_spec_decode_num_accepted_tokens_total", **labels) == spec["accepted_tokens"]
+    assert delta("vllm:spec_decode_num_draft_tokens_total", **labels) == spec["draft_tokens"]
+    assert delta("vllm:spec_decode_num_accepted_tokens_total", **labels) == spec["accepted_tokens"]
     assert delta("csd_spec_decode_num_rescued_tokens_total", **labels) == spec["rescued_tokens"]
     assert delta("csd_spec_decode_num_recovered_tokens_total", **labels) == spec["recovered_tokens"]
     assert delta("csd_spec_decode_num_bonus_tokens_total", **labels) == spec["bonus_tokens"]
     # per position: accepted counts accepted tokens only (vLLM's), kept adds the rescued ones
-    assert delta("csd_spec_decode_num_accepted_tokens_per_pos_total", **labels) == spec["accepted_tokens"]
+    assert delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", **labels) == spec["accepted_tokens"]
     kept = delta("csd_spec_decode_num_kept_tokens_per_pos_total", **labels)
     assert kept == spec["accepted_tokens"] + spec["rescued_tokens"]
-    assert delta("csd_time_to_first_token_seconds_count", **labels) == 1
-    assert delta("csd_e2e_request_latency_seconds_count", **labels) == 1
-    assert delta("csd_inter_token_latency_seconds_count", **labels) == spec["target_forwards"] - 1
+    assert delta("vllm:time_to_first_token_seconds_count", **labels) == 1
+    assert delta("vllm:e2e_request_latency_seconds_count", **labels) == 1
+    assert delta("vllm:inter_token_latency_seconds_count", **labels) == spec["target_forwards"] - 1
+    # vLLM's per-request series: one finished request, by its finish reason, its phases and its sizes
+    finish = data["choices"][0]["finish_reason"]
+    assert delta("vllm:request_success_total", **labels, finished_reason=finish) == 1
+    assert delta("vllm:request_success_total", **labels) == 1
+    for phase in ("queue", "inference", "prefill", "decode"):
+        assert delta(f"vllm:request_{phase}_time_seconds_count", **labels) == 1, phase
+    inference = delta("vllm:request_inference_time_seconds_sum", **labels)
+    parts = delta("vllm:request_prefill_time_seconds_sum", **labels) + delta(
+        "vllm:request_decode_time_seconds_sum", **labels
+    )
+    assert abs(inference - parts) < 1e-6  # inference = prefill + decode, as in vLLM
+    assert delta("vllm:request_prompt_tokens_sum", **labels) == usage["prompt_tokens"]
+    assert delta("vllm:request_generation_tokens_sum", **labels) == usage["completion_tokens"]
+    assert delta("vllm:request_time_per_output_token_seconds_count", **labels) == 1
     assert delta("csd_tokens_per_target_forward_count", **labels) == spec["target_forwards"]
     assert delta("csd_tokens_per_target_forward_sum", **labels) >= usage["completion_tokens"]
-    assert after.value("csd_num_requests_running") == 0 and after.value("csd_num_requests_waiting") == 0
+    assert after.value("vllm:num_requests_running") == 0 and after.value("vllm:num_requests_waiting") == 0
     assert after.value("csd_ocm_store_healthy", backend="memory") == 1
     for name in (
         "csd_ocm_patterns", "csd_ocm_buffered_increments", "csd_ocm_dropped_increments_total", "csd_ocm_evicted_patterns_total",
         "csd_ocm_reconnects_total", "csd_ocm_flush_seconds_count", "csd_ocm_flush_seconds_sum",
-        "csd_ocm_seconds_total", "csd_spec_decode_num_drafts_total", "csd_spec_decode_num_bonus_tokens_total",
+        "csd_ocm_seconds_total", "vllm:spec_decode_num_drafts_total", "csd_spec_decode_num_bonus_tokens_total",
     ):  # fmt: skip
         assert name in after.names(), name
+    # every series names the model, as vLLM's do (its dashboards select on it)
+    unlabelled = {
+        sample.name
+        for sample in after.samples
+        if "model_name" not in sample.labels and sample.name.startswith(("vllm:", "csd_"))
+    }
+    assert not unlabelled, sorted(unlabelled)
+    assert {s.labels.get("model_name") for s in after.samples if "model_name" in s.labels} == {MODEL}
+
+
+def test_probes_and_scrapes_are_not_counted_as_requests(api_server: Server) -> None:
+    """The readiness polling at start (503s while the model loaded, then 200s) and every scrape so far
+    left no trace in csd_requests_total: they are not traffic, as in vLLM."""
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(f"{api_server.url}{path}", timeout=30).status_code == 200
+    metrics = api_server.metrics()
+    endpoints = {s.labels["endpoint"] for s in metrics.samples if s.name == "csd_requests_total"}
+    assert not endpoints & {"/health", "/ready", "/metrics"}, endpoints
+
+
+def test_batch_occupancy_is_served_as_kv_cache_usage(api_server: Server) -> None:
+    """vllm:kv_cache_usage_perc is the fraction of batch rows in use (the endpoint picker reads it)."""
+    idle = api_server.metrics()
+    assert idle.value("vllm:num_requests_running") == 0 and idle.value("vllm:kv_cache_usage_perc") == 0
+    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 48, "stream": True}
+    body["speculative"] = {"method": "vanilla"}
+    with api_server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break
+        during = api_server.metrics()
+    assert during.value("vllm:num_requests_running") == 1
+    assert during.value("vllm:kv_cache_usage_perc") == 1 / 16  # one of the default max_batch_size rows
+    assert wait_until(lambda: api_server.metrics().value("vllm:kv_cache_usage_perc") == 0, timeout=20)
+    # the picker's LoRA scorer reads this; no adapters are served
+    (lora,) = [s for s in during.samples if s.name == "vllm:lora_requests_info"]
+    assert lora.labels == {
+        "model_name": MODEL, "max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""
+    }  # fmt: skip
 
 
 VANILLA = {"method": "vanilla", "drafter": "none"}  # one token per round: rounds are easy to count
@@ -236,20 +289,21 @@ def test_metrics_move_during_a_generation(api_server: Server) -> None:
                 break
         during = api_server.metrics()
     # Leaving the block hangs up, which stops the generation (tested below).
-    assert during.value("csd_num_requests_running") == 1
+    assert during.value("vllm:num_requests_running") == 1
     for name in (
         "csd_target_forwards_total",
-        "csd_generation_tokens_total",
-        "csd_time_to_first_token_seconds_count",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_count",
     ):
         assert during.value(name, **VANILLA) > before.value(name, **VANILLA), name
-    e2e = "csd_e2e_request_latency_seconds_count"
+    e2e = "vllm:e2e_request_latency_seconds_count"
     assert during.value(e2e, **VANILLA) == before.value(e2e, **VANILLA)  # not finished, yet counted
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
 def test_client_disconnect_stops_the_generation(api_server: Server, stream: bool) -> None:
-    before = api_server.metrics().value("csd_generation_tokens_total", **VANILLA)
+    before = api_server.metrics().value("vllm:generation_tokens_total", **VANILLA)
+    aborted = api_server.metrics().value("vllm:request_success_total", **VANILLA, finished_reason="abort")
     body = {
         "model": MODEL,
         "prompt": COUNTING,
@@ -266,11 +320,13 @@ def test_client_disconnect_stops_the_generation(api_server: Server, stream: bool
         with api_server.client(timeout=httpx.Timeout(60, read=0.5)) as http, pytest.raises(httpx.ReadTimeout):
             http.post("/v1/completions", json=body)
     # Stopped within a round or so: the engine is idle again, long before 64 tokens.
-    assert wait_until(lambda: api_server.metrics().value("csd_num_requests_running") == 0, timeout=20)
-    generated = api_server.metrics().value("csd_generation_tokens_total", **VANILLA) - before
+    assert wait_until(lambda: api_server.metrics().value("vllm:num_requests_running") == 0, timeout=20)
+    generated = api_server.metrics().value("vllm:generation_tokens_total", **VANILLA) - before
     time.sleep(1.0)
-    assert api_server.metrics().value("csd_generation_tokens_total", **VANILLA) - before == generated
+    assert api_server.metrics().value("vllm:generation_tokens_total", **VANILLA) - before == generated
     assert generated < 64
+    abort = {**VANILLA, "finished_reason": "abort"}
+    assert wait_until(lambda: api_server.metrics().value("vllm:request_success_total", **abort) > aborted, 10)
     if stream:
         assert generated <= 8, "the stream was dropped after its first token"
 

@@ -46,7 +46,7 @@ def test_queue_bound_gives_429_with_retry_after(busy_server: Server) -> None:
             waiter = threading.Thread(target=wait_in_queue)
             waiter.start()
             assert wait_until(
-                lambda: busy_server.metrics().value("csd_num_requests_waiting") == 1, timeout=10
+                lambda: busy_server.metrics().value("vllm:num_requests_waiting") == 1, timeout=10
             )
             refused = http.post("/v1/completions", json={**LONG, "max_tokens": 4})
             error = assert_openai_error(refused, 429, code="queue_full")
@@ -64,7 +64,7 @@ def test_request_timeout_is_504_and_stops_the_work(busy_server: Server) -> None:
         response = http.post("/v1/completions", json=LONG)
     error = assert_openai_error(response, 504, code="timeout")
     assert error["type"] == "timeout_error"
-    assert wait_until(lambda: busy_server.metrics().value("csd_num_requests_running") == 0, timeout=10)
+    assert wait_until(lambda: busy_server.metrics().value("vllm:num_requests_running") == 0, timeout=10)
 
 
 def test_timeout_after_the_stream_began_is_an_error_event(busy_server: Server) -> None:

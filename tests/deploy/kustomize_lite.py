@@ -6,12 +6,13 @@ Supported, as kustomize v5 does it:
 - `resources`: YAML files and directories holding a kustomization;
 - `namespace`: set on every resource (namespaced kinds only; a cluster-scoped kind is refused);
 - `images`: `name` -> `newName` / `newTag` / `digest` on containers and init containers of pod templates;
-- `configMapGenerator`: `envs` files and `literals`, `behavior` create / merge / replace, and the content-hash
+- `configMapGenerator`: `envs` files, `files` (`path` or `key=path`, inside the kustomization's folder as
+  kustomize's load restrictor demands) and `literals`, `behavior` create / merge / replace, and the content-hash
   name suffix (kustomize's algorithm), with references from pod templates renamed to the suffixed name;
 - `patches`: strategic-merge patches from `path` (or inline `patch`), targeted by the patch's kind and name;
   lists merge by the Kubernetes patch-merge keys of the fields below, other lists are replaced.
 
-Anything else (an unknown kustomization field, a patch `target`, `$patch` directives, generator `files`) raises
+Anything else (an unknown kustomization field, a patch `target`, `$patch` directives) raises
 `Unsupported`, so a manifest change that needs more of kustomize fails loudly instead of rendering wrongly.
 `tests/deploy/test_kustomize_lite.py` checks the output against the real `kubectl kustomize` where one exists.
 """
@@ -117,12 +118,18 @@ def _parse_env_file(path: Path) -> dict[str, str]:
 
 
 def _generate_config_map(directory: Path, generator: dict, resources: list[Resource]) -> None:
-    unknown = set(generator) - {"name", "envs", "literals", "behavior"}
+    unknown = set(generator) - {"name", "envs", "files", "literals", "behavior"}
     if unknown:
         raise Unsupported(f"configMapGenerator fields {sorted(unknown)} are not supported")
     data: dict[str, str] = {}
     for env in generator.get("envs", []):
         data.update(_parse_env_file(directory / env))
+    for entry in generator.get("files", []):
+        key, sep, file = entry.partition("=")
+        path = (directory / (file if sep else key)).resolve()
+        if not path.is_relative_to(directory.resolve()):
+            raise ValueError(f"{entry}: kustomize loads no file outside {directory}")
+        data[key if sep else path.name] = path.read_text()
     for literal in generator.get("literals", []):
         key, sep, value = literal.partition("=")
         if not sep:

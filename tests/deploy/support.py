@@ -20,53 +20,36 @@ DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 DASHBOARD = DEPLOY / "grafana" / "csd-serve.json"
 
-# The metrics the service exports (service/api/metrics.py) that the dashboard and the autoscaler may use.
-# Histograms add _bucket/_sum/_count series, the summary _sum/_count.
-COUNTERS = {
-    "csd_spec_decode_num_drafts_total",
-    "csd_spec_decode_num_draft_tokens_total",
-    "csd_spec_decode_num_accepted_tokens_total",
-    "csd_spec_decode_num_accepted_tokens_per_pos_total",
-    "csd_spec_decode_num_kept_tokens_per_pos_total",
-    "csd_spec_decode_num_rescued_tokens_total",
-    "csd_spec_decode_num_recovered_tokens_total",
-    "csd_spec_decode_num_bonus_tokens_total",
-    "csd_target_forwards_total",
-    "csd_prompt_tokens_total",
-    "csd_generation_tokens_total",
-    "csd_requests_total",
-    "csd_ocm_seconds_total",
-    "csd_ocm_dropped_increments_total",
-    "csd_ocm_evicted_patterns_total",
-    "csd_ocm_reconnects_total",
-}
-GAUGES = {
-    "csd_num_requests_running",
-    "csd_num_requests_waiting",
-    "csd_ocm_store_healthy",
-    "csd_ocm_patterns",
-    "csd_ocm_buffered_increments",
-}
-HISTOGRAMS = {
-    "csd_time_to_first_token_seconds",
-    "csd_inter_token_latency_seconds",
-    "csd_e2e_request_latency_seconds",
-    "csd_tokens_per_target_forward",
-    "csd_batch_rows",
-}
-SUMMARIES = {"csd_ocm_flush_seconds"}
-KNOWN_SERIES = (
-    COUNTERS
-    | GAUGES
-    | {f"{h}_{s}" for h in HISTOGRAMS for s in ("bucket", "sum", "count")}
-    | {f"{m}_{s}" for m in SUMMARIES for s in ("sum", "count")}
-)
 
-METRIC_NAME = re.compile(r"\bcsd_[a-z0-9_]+")
+def _exported() -> tuple[set[str], set[str]]:
+    """(every series name, the gauges) the service's registry exports, read from a ServiceMetrics with its
+    OCM collector, so the dashboard and the autoscaler are checked against the code, not a copy of it."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ocm_store.base import StoreStatus
+    from service.api.metrics import OCMStoreCollector, ServiceMetrics
+
+    metrics = ServiceMetrics(3, model_name="m")
+    metrics.touch("csd", "ngram", 3)
+    metrics.requests.labels("m", "/v1/completions", "200")
+    status = StoreStatus(backend="memory", healthy=True, patterns=0)
+    metrics.registry.register(OCMStoreCollector(lambda: status, "m"))
+    families = list(text_string_to_metric_families(generate_latest(metrics.registry).decode()))
+    names = {sample.name for family in families for sample in family.samples}
+    # the parser reads prometheus-client's `_created` timestamps as gauges of their own: not ones to scale on
+    gauges = {f.name for f in families if f.type == "gauge" and not f.name.endswith("_created")}
+    return names, gauges
+
+
+# The series the service exports (histograms with their _bucket/_sum/_count, counters with _total).
+KNOWN_SERIES, GAUGES = _exported()
+
+METRIC_NAME = re.compile(r"\b(?:csd_|vllm:)[a-z0-9_:]+")
 
 
 def metric_names(expr: str) -> set[str]:
-    """The csd_* series names a PromQL expression reads."""
+    """The csd_* and vllm:* series names a PromQL expression reads."""
     return set(METRIC_NAME.findall(expr))
 
 
@@ -119,13 +102,17 @@ def selector_matches(selector: dict, labels: dict) -> bool:
 
 
 @contextmanager
-def redis_server(workdir: Path, args: list[str], port: int) -> Iterator[subprocess.Popen]:
-    """A throwaway redis-server (never the machine's shared one) run with `args`, stopped afterwards."""
+def redis_server(
+    workdir: Path, args: list[str], port: int, *, shell: str | None = None, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """A throwaway redis-server (never the machine's shared one) run with `args`, stopped afterwards. With
+    `shell`, that `sh -c` script starts it instead (a manifest's command), with `env` as its environment."""
     binary = require_tool("redis-server", "Debian package redis-server")
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "redis.log"
+    argv = ["sh", "-c", shell] if shell is not None else [binary, *args]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([binary, *args], cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -233,6 +220,19 @@ def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
         current = ""
     assert not current, "the Dockerfile ends inside a continued line"
     return instructions
+
+
+def dockerfile_env() -> dict[str, str]:
+    """The image's environment: every ENV instruction's KEY=VALUE pairs."""
+    import shlex
+
+    env = {}
+    for keyword, args in dockerfile_instructions():
+        if keyword == "ENV":
+            for pair in shlex.split(args):
+                key, _, value = pair.partition("=")
+                env[key] = value
+    return env
 
 
 def dockerfile_user() -> tuple[int, int]:

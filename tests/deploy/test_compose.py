@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import urllib.parse
+from pathlib import Path
 
 import pytest
 import redis
@@ -16,6 +17,7 @@ import yaml
 from tests.deploy.support import (
     DASHBOARD,
     DEPLOY,
+    K8S,
     REPO,
     dockerfile_instructions,
     free_port,
@@ -53,8 +55,12 @@ def interpolate(value, env: dict[str, str]):
     return VARIABLE.sub(substitute, value)
 
 
+# What compose refuses to start without (no default password is ever used).
+REQUIRED_ENV = {"REDIS_PASSWORD": "s3cret", "GRAFANA_ADMIN_PASSWORD": "grafana-s3cret"}
+
+
 def load(path=COMPOSE, env=None) -> dict:
-    return interpolate(yaml.safe_load(path.read_text()), env or {})
+    return interpolate(yaml.safe_load(path.read_text()), REQUIRED_ENV if env is None else env)
 
 
 def _environment(service: dict) -> dict[str, str]:
@@ -122,8 +128,13 @@ def test_docker_compose_accepts_the_files(files):
     args = [binary, "--project-directory", str(REPO)]
     for f in files:
         args += ["-f", str(f)]
-    proc = subprocess.run([*args, "config", "-q"], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, **REQUIRED_ENV}
+    proc = subprocess.run([*args, "config", "-q"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
+    # and the tool itself refuses to start without the passwords
+    env = {k: v for k, v in os.environ.items() if k not in REQUIRED_ENV}
+    refused = subprocess.run([*args, "config", "-q"], capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode != 0 and "REDIS_PASSWORD" in refused.stderr + refused.stdout
 
 
 def test_service_waits_for_healthy_redis_and_drains_on_stop():
@@ -146,39 +157,90 @@ def test_service_waits_for_healthy_redis_and_drains_on_stop():
     assert others == {"csd-serve"}
 
 
+def _redis_start(redis_service: dict) -> tuple[str, Path]:
+    """The redis service's start script and the redis.conf (in the repository) it starts with."""
+    assert redis_service["command"][:2] == ["sh", "-c"]
+    script = redis_service["command"][2]
+    conf_target = re.search(r"exec redis-server (\S+) - <<EOF\n", script).group(1)
+    mounts = {t: s for s, t in _mounts(redis_service)}
+    return script, REPO / mounts[conf_target]
+
+
 def test_redis_password_reaches_redis_and_the_service():
-    services = load(env={"REDIS_PASSWORD": "s3cret"})["services"]
-    command = services["redis"]["command"]
-    assert command[command.index("--requirepass") + 1] == "s3cret"
-    assert command[command.index("--appendonly") + 1] == "yes"
+    services = load(env={"REDIS_PASSWORD": "s3cret", "GRAFANA_ADMIN_PASSWORD": "x"})["services"]
+    script, conf = _redis_start(services["redis"])
+    # the container's shell reads it from the environment ($$ in the file): it is in no command line
+    assert "requirepass $REDIS_PASSWORD\nEOF" in script and "s3cret" not in script
+    assert _environment(services["redis"])["REDIS_PASSWORD"] == "s3cret"
+    assert conf.resolve() == (K8S / "base" / "redis.conf").resolve(), "one redis.conf for compose and k8s"
     assert ("redis-data", "/data") in _mounts(services["redis"])
     url = _environment(services["csd-serve"])["CSD_REDIS_URL"]
     assert urllib.parse.urlsplit(url).password == "s3cret"
 
 
+@pytest.mark.parametrize("missing", sorted(REQUIRED_ENV))
+def test_no_default_passwords(missing):
+    """Compose refuses to start without each password, rather than run with one everybody knows."""
+    with pytest.raises(AssertionError, match=f"compose requires {missing}"):
+        load(env={k: v for k, v in REQUIRED_ENV.items() if k != missing})
+    text = COMPOSE.read_text()
+    assert "csd-dev-password" not in text and ":-admin}" not in text
+
+
+def test_ports_are_published_on_localhost_unless_asked():
+    for env, address in (
+        (REQUIRED_ENV, "127.0.0.1"),
+        ({**REQUIRED_ENV, "PUBLISH_ADDRESS": "0.0.0.0"}, "0.0.0.0"),
+    ):
+        services = load(env=env)["services"]
+        published = [p for s in services.values() for p in s.get("ports", [])]
+        assert published and all(str(p).startswith(f"{address}:") for p in published), published
+
+
+def test_image_tags_match_the_kubernetes_overlays():
+    """The compose images are the ones deploy/k8s runs: csd-serve:cpu, and csd-serve:cuda for the GPU."""
+    overlays = {}
+    for name in ("cpu", "gpu"):
+        kustomization = yaml.safe_load((K8S / "overlays" / name / "kustomization.yaml").read_text())
+        (image,) = kustomization["images"]
+        overlays[name] = f"{image['newName']}:{image['newTag']}"
+    assert load()["services"]["csd-serve"]["image"] == overlays["cpu"] == "csd-serve:cpu"
+    gpu = load(COMPOSE_GPU, env={})["services"]["csd-serve"]
+    assert gpu["image"] == overlays["gpu"] == "csd-serve:cuda"
+    assert gpu["build"]["args"]["TORCH_VARIANT"] == "cu128"
+    # and the build commands the Dockerfile, README and deploy/README show tag the same images
+    for path in (REPO / "Dockerfile", REPO / "README.md", DEPLOY / "README.md"):
+        tags = set(re.findall(r"-t (?:REGISTRY/)?(csd-serve:[\w.-]+)", path.read_text()))
+        assert tags <= {"csd-serve:cpu", "csd-serve:cuda"}, f"{path.name}: {tags}"
+    assert "csd-serve:cu128" not in COMPOSE_GPU.read_text()
+
+
 def test_redis_runs_with_the_compose_command_and_healthcheck(tmp_path):
-    """The real redis-server with the compose command (on a free port, in a temporary folder): password
-    required, append-only file written; the healthcheck passes with the password and fails without."""
-    redis_service = load(env={"REDIS_PASSWORD": "s3cret"})["services"]["redis"]
+    """The real redis-server started by the compose command (a real sh; on a free port, in a temporary
+    folder): password required and in no command line, the shared redis.conf's memory bound, append-only
+    file written; the healthcheck passes with the password and fails without."""
+    redis_service = load()["services"]["redis"]
+    script, conf_path = _redis_start(redis_service)
     port = free_port()
-    command = redis_service["command"]
-    assert command[0] == "redis-server"
-    with redis_server(tmp_path, [*command[1:], "--port", str(port), "--dir", str(tmp_path)], port):
+    conf = conf_path.read_text().replace("port 6379", f"port {port}").replace("dir /data", f"dir {tmp_path}")
+    (tmp_path / "redis.conf").write_text(conf)
+    script = re.sub(r"redis-server \S+ -", f"redis-server {tmp_path / 'redis.conf'} -", script)
+    container_env = {**_environment(redis_service), "PATH": os.environ["PATH"]}
+    with redis_server(tmp_path, [], port, shell=script, env=container_env) as proc:
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port).ping()
         client = redis.Redis(port=port, password="s3cret")
         client.set("csd:probe", "1")
+        assert b"s3cret" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         assert any(p.name.startswith("appendonly") for p in tmp_path.iterdir())
-        kind, script = redis_service["healthcheck"]["test"]
+        kind, check = redis_service["healthcheck"]["test"]
         assert kind == "CMD-SHELL"
-        script = script.replace("redis-cli", f"redis-cli -p {port}")
-        container_env = {**_environment(redis_service), "PATH": os.environ["PATH"]}
-        assert subprocess.run(["sh", "-c", script], env=container_env, timeout=10).returncode == 0
+        check = check.replace("redis-cli", f"redis-cli -p {port}")
+        assert subprocess.run(["sh", "-c", check], env=container_env, timeout=10).returncode == 0
         wrong = {**container_env, "REDISCLI_AUTH": "wrong"}
-        assert (
-            subprocess.run(["sh", "-c", script], env=wrong, timeout=10, capture_output=True).returncode != 0
-        )
+        assert subprocess.run(["sh", "-c", check], env=wrong, timeout=10, capture_output=True).returncode != 0
 
 
 def test_prometheus_scrapes_the_service():

@@ -28,21 +28,32 @@ QUERIES = dashboard_queries(DASHBOARD)
 
 # What the issue asks the dashboard to show, as the series each must read (all of them, in one panel).
 REQUIRED = {
-    "kept rate": {
-        "csd_spec_decode_num_accepted_tokens_total",
+    "acceptance rate, strict and with rescues": {
+        "vllm:spec_decode_num_accepted_tokens_total",
         "csd_spec_decode_num_rescued_tokens_total",
-        "csd_spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_draft_tokens_total",
     },
-    "rescue rate": {"csd_spec_decode_num_rescued_tokens_total", "csd_spec_decode_num_draft_tokens_total"},
+    "mean acceptance length": {
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "csd_spec_decode_num_rescued_tokens_total",
+        "vllm:spec_decode_num_drafts_total",
+    },
+    "rescue rate": {"csd_spec_decode_num_rescued_tokens_total", "vllm:spec_decode_num_draft_tokens_total"},
     "per-position survival": {
         "csd_spec_decode_num_kept_tokens_per_pos_total",
-        "csd_spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "vllm:spec_decode_num_drafts_total",
     },
-    "mean tokens per target forward": {"csd_generation_tokens_total", "csd_target_forwards_total"},
-    "tokens per second": {"csd_generation_tokens_total"},
-    "time to first token": {"csd_time_to_first_token_seconds_bucket"},
-    "inter-token latency": {"csd_inter_token_latency_seconds_bucket"},
-    "running and waiting requests": {"csd_num_requests_running", "csd_num_requests_waiting"},
+    "mean tokens per target forward": {"vllm:generation_tokens_total", "csd_target_forwards_total"},
+    "tokens per second": {"vllm:generation_tokens_total"},
+    "time to first token": {"vllm:time_to_first_token_seconds_bucket"},
+    "inter-token latency": {"vllm:inter_token_latency_seconds_bucket"},
+    "queue time": {"vllm:request_queue_time_seconds_bucket"},
+    "prompt length": {"vllm:request_prompt_tokens_bucket"},
+    "generation length": {"vllm:request_generation_tokens_bucket"},
+    "finish reason": {"vllm:request_success_total"},
+    "running and waiting requests": {"vllm:num_requests_running", "vllm:num_requests_waiting"},
+    "batch occupancy": {"vllm:kv_cache_usage_perc"},
     "429 and 5xx": {"csd_requests_total"},
     "OCM store health": {"csd_ocm_store_healthy"},
     "flush latency": {"csd_ocm_flush_seconds_sum", "csd_ocm_flush_seconds_count"},
@@ -73,10 +84,25 @@ def test_the_panels_the_issue_asks_for_are_there(topic):
     panels = [p for p in PANELS if REQUIRED[topic] <= _panel_series(p)]
     assert panels, f"no panel shows {topic}"
     exprs = "\n".join(_panel_exprs(p) for p in panels)
-    if topic in ("time to first token", "inter-token latency"):
+    if topic in ("time to first token", "inter-token latency", "queue time"):
         assert "histogram_quantile(0.5," in exprs and "histogram_quantile(0.99," in exprs
+    if topic in ("acceptance rate, strict and with rescues", "mean acceptance length"):
+        # side by side: one query without rescues (vLLM's definition), one with them
+        (panel,) = panels
+        strict = [t for t in panel["targets"] if "rescued" not in t["expr"]]
+        rescues = [t for t in panel["targets"] if "rescued" in t["expr"]]
+        assert strict and rescues, f"{topic}: strict and with-rescues queries side by side"
+    if topic == "mean acceptance length":
+        assert all(t["expr"].startswith("1 + ") for t in panels[0]["targets"]), (
+            "vLLM's: 1 + accepted / drafts"
+        )
+    if topic in ("prompt length", "generation length"):
+        assert panels[0]["type"] == "heatmap"
+    if topic == "running and waiting requests":
+        assert "by (instance)" in exprs, "operators look per instance (pod) first"
     if topic in (
-        "kept rate",
+        "acceptance rate, strict and with rescues",
+        "mean acceptance length",
         "rescue rate",
         "per-position survival",
         "mean tokens per target forward",
@@ -86,6 +112,16 @@ def test_the_panels_the_issue_asks_for_are_there(topic):
         assert "position" in exprs
     if topic == "429 and 5xx":
         assert 'status_code="429"' in exprs and 'status_code=~"5.."' in exprs
+
+
+def test_every_query_follows_the_model_and_instance_variables():
+    """Operators pick a model and a pod (instance) first: every query selects on both."""
+    variables = {v["name"]: v for v in DASHBOARD["templating"]["list"]}
+    assert variables["instance"]["query"]["query"] == "label_values(vllm:num_requests_running, instance)"
+    assert variables["model_name"]["query"]["query"] == "label_values(vllm:num_requests_running, model_name)"
+    for title, expr in QUERIES:
+        assert expr.count('instance=~"$instance"') == expr.count("{"), f"{title}: {expr}"
+        assert expr.count('model_name=~"$model_name"') == expr.count("{"), f"{title}: {expr}"
 
 
 def test_datasource_is_templated():
@@ -100,7 +136,7 @@ def test_datasource_is_templated():
     for variable in variables.values():
         if variable["type"] == "query":
             assert variable["datasource"] == reference
-            assert re.fullmatch(r"label_values\(\w+, ?\w+\)", variable["query"]["query"])
+            assert re.fullmatch(r"label_values\([\w:]+, ?\w+\)", variable["query"]["query"])
 
 
 def test_every_template_variable_used_is_defined():

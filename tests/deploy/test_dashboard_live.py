@@ -2,7 +2,9 @@
 config and a free port) scrapes the real service (`python -m service.cli serve` on the embedded model, the OCM
 in a throwaway password-protected redis-server) after it served requests of several methods, a burst that hit
 the queue bound, and streaming; then every PromQL expression of the dashboard must return data, and so must the
-template variables' queries and the prometheus-adapter rule the autoscaler depends on."""
+template variables' queries and the prometheus-adapter rule the autoscaler depends on. So must the tools
+written for vLLM, unchanged: the main panels of vLLM's own Grafana dashboard and the KEDA / prometheus-adapter
+rules on vLLM's queue metric (tests/deploy/fixtures/)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ from tests.deploy.support import (
 # One service start, a few short generations and a Prometheus: about a minute on an idle 2-core machine; the
 # limit leaves room for a machine busy with other work.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 SCRAPE_INTERVAL_S = 1
 
@@ -264,13 +268,21 @@ def test_every_dashboard_expression_returns_data(live):
 
 def test_rates_are_shown_per_method(live):
     dashboard = load_dashboard()
-    (panel,) = [p for p in dashboard_panels(dashboard) if p["title"] == "Kept rate (accepted + rescued)"]
-    result = live["prom"].query(instantiate(panel["targets"][0]["expr"], dashboard, rate_interval(live)))
-    methods = {series["metric"].get("method") for series in result}
-    assert {"csd", "sd"} <= methods, f"kept rate per method: {result}"
-    for series in result:
-        # a ratio of two rates: PromQL's float arithmetic may land a hair above 1 when every draft was kept
-        assert 0.0 <= float(series["value"][1]) <= 1.0 + 1e-9, series
+    (panel,) = [p for p in dashboard_panels(dashboard) if p["title"].startswith("Acceptance rate: strict")]
+    rates = {}
+    for target in panel["targets"]:
+        result = live["prom"].query(instantiate(target["expr"], dashboard, rate_interval(live)))
+        kind = target["legendFormat"].split(" {{")[0]
+        rates[kind] = {s["metric"].get("method"): float(s["value"][1]) for s in result}
+        assert {"csd", "sd"} <= set(rates[kind]), f"{kind} acceptance per method: {result}"
+        for series in result:
+            # a ratio of two rates: PromQL's float arithmetic may land a hair above 1 when every draft was kept
+            assert 0.0 <= float(series["value"][1]) <= 1.0 + 1e-9, series
+    # side by side: strict (vLLM's) never exceeds the rate with rescues, and is equal where nothing is rescued
+    assert set(rates) == {"strict", "with rescues"}
+    for method, strict in rates["strict"].items():
+        assert strict <= rates["with rescues"][method] + 1e-9, rates
+    assert math.isclose(rates["strict"]["sd"], rates["with rescues"]["sd"]), rates
 
 
 def test_rejections_show_in_the_429_share(live):
@@ -304,16 +316,58 @@ def test_the_autoscaler_metric_reaches_the_adapter_rule(live):
     """The prometheus-adapter rule's two queries, with the adapter's template filled in as it would for the
     HorizontalPodAutoscaler's pod, return the waiting-requests series."""
     (rule,) = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())["rules"]["custom"]
+    _check_adapter_rule(live, rule)
+    hpa = yaml.safe_load((K8S / "base" / "serve-hpa.yaml").read_text())
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["pods"]["metric"]["name"] == rule["name"]["as"] == "vllm_num_requests_waiting"
+
+
+def _check_adapter_rule(live, rule: dict) -> None:
+    """A prometheus-adapter rule's two queries, its template filled in as the adapter would for the
+    HorizontalPodAutoscaler's pod: the series is found, and the pod's value is a number."""
     assert live["prom"].series(rule["seriesQuery"]), "the seriesQuery finds no series"
+    (series_name,) = metric_names(rule["seriesQuery"])
     matchers = ",".join(f'{k}="{v}"' for k, v in POD_LABELS.items())
     query = (
         rule["metricsQuery"]
-        .replace("<<.Series>>", rule["name"]["as"])
+        .replace("<<.Series>>", series_name)  # the adapter fills in the series' own name, not the `as` name
         .replace("<<.LabelMatchers>>", matchers)
         .replace("<<.GroupBy>>", "pod")
     )
     (series,) = live["prom"].query(query)
     assert series["metric"] == {"pod": POD_LABELS["pod"]} and _finite([series])
+
+
+VLLM_DASHBOARD = json.loads((FIXTURES / "vllm-grafana-queries.json").read_text())
+
+
+@pytest.mark.parametrize("panel", VLLM_DASHBOARD["panels"], ids=lambda p: p["title"])
+def test_vllm_dashboard_panels_work_unchanged(live, panel):
+    """vLLM's own dashboard, its model picked from its variable's values: every query of the panel returns a
+    number for csd-serve."""
+    (query,) = VLLM_DASHBOARD["variables"].values()
+    assert query == "label_values(model_name)"
+    (model,) = live["prom"].label_values("model_name", '{job="csd-serve"}')
+    for expr in panel["exprs"]:
+        filled = expr.replace("$model_name", model).replace("$__rate_interval", rate_interval(live))
+        result = live["prom"].query(filled)
+        assert result and _finite(result), f"{panel['title']}: no number for {expr}: {result}"
+    if panel["title"] == "Finish Reason":
+        reasons = {s["metric"]["finished_reason"] for s in live["prom"].query(filled) if float(s["value"][1])}
+        assert reasons and reasons <= {"stop", "length"}, reasons  # the traffic finished; nothing aborted
+
+
+def test_vllm_autoscaling_rules_work_unchanged(live):
+    """KEDA's trigger and the prometheus-adapter rule written for vLLM's queue metric."""
+    rules = yaml.safe_load((FIXTURES / "vllm-autoscaling.yaml").read_text())
+    (trigger,) = rules["keda"]["triggers"]
+    result = live["prom"].query(trigger["metadata"]["query"])
+    assert result and _finite(result), result
+    assert {s["metric"]["model_name"] for s in result} == set(
+        live["prom"].label_values("model_name", "{job=~'.+'}")
+    )
+    (rule,) = rules["prometheus_adapter"]["rules"]["custom"]
+    _check_adapter_rule(live, rule)
 
 
 def test_dockerfile_healthcheck_passes_against_the_service(live):
@@ -322,3 +376,19 @@ def test_dockerfile_healthcheck_passes_against_the_service(live):
     assert command[0] == "python"
     proc = subprocess.run([sys.executable, *command[1:]], env={"CSD_PORT": str(live["port"])}, timeout=30)
     assert proc.returncode == 0
+
+
+def test_the_endpoint_picker_finds_its_metrics_on_the_running_service(live):
+    """What the inference gateway's endpoint picker scrapes from each pool member (the model server protocol,
+    tests/deploy/fixtures/model-server-protocol.yaml), on the real service's /metrics, without an API key."""
+    protocol = yaml.safe_load((FIXTURES / "model-server-protocol.yaml").read_text())
+    families = {f.name: f for f in text_string_to_metric_families(live["metrics"])}
+    for metric in protocol["metrics"]:
+        family = families[metric["name"]]
+        assert family.type == metric["type"], metric
+        (sample,) = family.samples  # one series per server: the picker needs no aggregation
+        if "range" in metric:
+            low, high = metric["range"]
+            assert low <= sample.value <= high, sample
+        for label in metric.get("labels", []):
+            assert label in sample.labels, (metric, sample)

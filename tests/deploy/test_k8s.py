@@ -8,7 +8,9 @@ import json
 import os
 import re
 import subprocess
+import time
 import urllib.parse
+from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -23,8 +25,8 @@ from tests.deploy.support import (
     K8S,
     container,
     container_environment,
+    dockerfile_env,
     dockerfile_user,
-    expand_kubernetes_variables,
     find,
     free_port,
     load_yaml_documents,
@@ -185,6 +187,53 @@ def test_gpu_overlay_asks_for_a_gpu_and_cpu_overlay_does_not(rendered, example_s
     assert gpu_startup >= cpu_startup
 
 
+def _mounted(path: str, spec: dict) -> bool:
+    return any(
+        path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+        for m in spec["volumeMounts"]
+    )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_root_filesystem_is_read_only_and_every_written_path_is_a_volume(rendered, example_secrets, overlay):
+    """The service writes its model cache (converted weights, the in-process OCM file), hub downloads
+    (HF_HOME) and temporary files: each under a mounted volume, with the image's environment and the pod's."""
+    resources = rendered[overlay]
+    spec = container(_serve(resources), "csd-serve")
+    assert spec["securityContext"]["readOnlyRootFilesystem"] is True
+    env = {**dockerfile_env(), **container_environment(resources, spec, example_secrets)}
+    settings = settings_from_environment(env)
+    assert env["HF_HOME"].startswith(str(settings.cache_dir) + "/"), "hub models go to the cache volume"
+    for path in (str(settings.cache_dir), env["HF_HOME"], str(settings.ocm_file), "/tmp"):
+        assert _mounted(path, spec), f"{path} is written but on the read-only root filesystem"
+    redis_container = container(_redis(resources), "redis")
+    assert redis_container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert _mounted("/data", redis_container), "Redis writes only its data folder"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_rollout_has_time_for_the_startup_probe(rendered, overlay):
+    """progressDeadlineSeconds outlasts a new pod's startup probe budget (20 minutes on GPU), with time to be
+    scheduled and pull the image: a slow model load is not reported as a failed rollout."""
+    deployment = _serve(rendered[overlay])
+    probe = container(deployment, "csd-serve")["startupProbe"]
+    budget = probe.get("initialDelaySeconds", 0) + probe["periodSeconds"] * probe["failureThreshold"]
+    assert deployment["spec"]["progressDeadlineSeconds"] >= budget + 300
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicas_spread_over_nodes_and_zones(rendered, overlay):
+    deployment = _serve(rendered[overlay])
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    spread = {c["topologyKey"]: c for c in pod_spec(deployment)["topologySpreadConstraints"]}
+    assert {"kubernetes.io/hostname", "topology.kubernetes.io/zone"} <= set(spread)
+    for constraint in spread.values():
+        assert selector_matches(constraint["labelSelector"], labels), "the spread must count csd-serve pods"
+        assert constraint["maxSkew"] == 1
+        # a cluster with fewer nodes than replicas must still run them all
+        assert constraint["whenUnsatisfiable"] == "ScheduleAnyway"
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_one_worker_non_root_and_a_tagged_image(rendered, overlay):
     deployment = _serve(rendered[overlay])
@@ -245,24 +294,53 @@ def test_autoscaler_and_disruption_budget(rendered, kustomization):
 # ---------------------------------------------------------------- Redis
 
 
+REDIS_START = re.compile(r"exec redis-server (\S+) - <<EOF\n")
+
+
+def _redis_conf(resources, statefulset) -> tuple[str, dict[str, str]]:
+    """The redis.conf the StatefulSet's command starts Redis with (from its ConfigMap), as text and as
+    directive -> value."""
+    spec = container(statefulset, "redis")
+    assert spec["command"][:2] == ["sh", "-c"] and "args" not in spec
+    conf_path = REDIS_START.search(spec["command"][2]).group(1)
+    mounts = {m["mountPath"]: m["name"] for m in spec["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec(statefulset)["volumes"]}
+    conf_dir, conf_file = conf_path.rsplit("/", 1)
+    config_map = find(resources, "ConfigMap", volumes[mounts[conf_dir]]["configMap"]["name"])
+    text = config_map["data"][conf_file]
+    directives = {}
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.strip().partition(" ")
+            directives[key] = value
+    return text, directives
+
+
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "kb": 2**10, "mb": 2**20, "gb": 2**30}
+    for unit, factor in units.items():
+        if quantity.lower().endswith(unit.lower()):
+            return int(quantity[: -len(unit)]) * factor
+    return int(quantity)
+
+
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_redis_persists_and_only_the_service_reaches_it(rendered, kustomization):
     resources = rendered[kustomization]
     statefulset = _redis(resources)
     spec = container(statefulset, "redis")
-    args = spec["args"]
-    option = {args[i]: args[i + 1] for i in range(0, len(args) - 1) if args[i].startswith("--")}
-    assert option["--appendonly"] == "yes"
-    assert option["--requirepass"] == "$(REDIS_PASSWORD)"
-    password_ref = next(e for e in spec["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]["secretKeyRef"]
-    assert password_ref == {"name": "csd-serve-secrets", "key": "redis-password"}
+    _, option = _redis_conf(resources, statefulset)
+    assert option["appendonly"] == "yes"
     (claim,) = statefulset["spec"]["volumeClaimTemplates"]
-    assert {"name": claim["metadata"]["name"], "mountPath": option["--dir"]} in spec["volumeMounts"]
+    assert {"name": claim["metadata"]["name"], "mountPath": option["dir"]} in spec["volumeMounts"]
     service = find(resources, "Service", statefulset["spec"]["serviceName"])
     redis_labels = statefulset["spec"]["template"]["metadata"]["labels"]
     assert selector_matches({"matchLabels": service["spec"]["selector"]}, redis_labels)
     redis_port = spec["ports"][0]["containerPort"]
-    assert int(option["--port"]) == redis_port
+    assert int(option["port"]) == redis_port
+    # bounded memory, below the container's limit, and never silent eviction of learned patterns
+    assert option["maxmemory-policy"] == "noeviction"
+    assert 0 < _bytes(option["maxmemory"]) <= 0.8 * _bytes(spec["resources"]["limits"]["memory"])
 
     policy = find(resources, "NetworkPolicy")
     assert selector_matches(policy["spec"]["podSelector"], redis_labels)
@@ -280,11 +358,26 @@ def test_redis_persists_and_only_the_service_reaches_it(rendered, kustomization)
     assert admitted == {"csd-serve"}
 
 
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_redis_password_is_in_no_command_line_and_no_config_map(rendered, kustomization):
+    resources = rendered[kustomization]
+    statefulset = _redis(resources)
+    text, option = _redis_conf(resources, statefulset)
+    assert "requirepass" not in option and "REDIS_PASSWORD" not in text
+    spec = container(statefulset, "redis")
+    # a shell variable, expanded by the shell into Redis's stdin; $(VAR) would be expanded by Kubernetes into
+    # the command line
+    assert "requirepass $REDIS_PASSWORD\nEOF" in spec["command"][2]
+    assert "$(REDIS_PASSWORD)" not in " ".join(spec["command"])
+    password_ref = next(e for e in spec["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]["secretKeyRef"]
+    assert password_ref == {"name": "csd-serve-secrets", "key": "redis-password"}
+
+
 def test_secret_example_holds_every_referenced_key_and_is_never_applied(rendered, example_secrets):
     referenced = set()
     for resources in rendered.values():
         for workload in (r for r in resources if r["kind"] in ("Deployment", "StatefulSet")):
-            for c in pod_spec(workload)["containers"]:
+            for c in pod_spec(workload)["containers"] + pod_spec(workload).get("initContainers", []):
                 for item in c.get("env", []):
                     ref = item.get("valueFrom", {}).get("secretKeyRef")
                     if ref:
@@ -298,24 +391,36 @@ def test_secret_example_holds_every_referenced_key_and_is_never_applied(rendered
         assert SECRET_EXAMPLE.name not in path.read_text().split("#")[0]
 
 
-def test_redis_starts_with_the_statefulset_arguments(rendered, example_secrets, tmp_path):
-    """Run the real redis-server with the manifest's command and arguments (port and data folder moved to a
-    free port and a temporary folder): it requires the password, writes an append-only file, and the probes'
-    command says healthy only with the password."""
+def test_redis_starts_with_the_statefulset_configuration(rendered, example_secrets, tmp_path):
+    """Run the manifest's start command (a real sh) and the real redis-server with the ConfigMap's redis.conf
+    (port and data folder moved to a free port and a temporary folder): it requires the password, which its
+    command line does not hold, is PID 1's process itself (exec: SIGTERM reaches it), bounds its memory without
+    eviction, writes an append-only file, and the probes' command says healthy only with the password."""
     resources = rendered["overlays/cpu"]
-    spec = container(_redis(resources), "redis")
+    statefulset = _redis(resources)
+    spec = container(statefulset, "redis")
     env = container_environment(resources, spec, example_secrets)
-    argv = [expand_kubernetes_variables(a, env) for a in spec["command"] + spec["args"]]
-    port = free_port()
-    argv[argv.index("--port") + 1] = str(port)
-    argv[argv.index("--dir") + 1] = str(tmp_path)
     password = env["REDIS_PASSWORD"]
-    with redis_server(tmp_path, argv[1:], port):
+    text, option = _redis_conf(resources, statefulset)
+    port = free_port()
+    conf = text.replace(f"port {option['port']}", f"port {port}").replace(
+        f"dir {option['dir']}", f"dir {tmp_path}"
+    )
+    (tmp_path / "redis.conf").write_text(conf)
+    script = spec["command"][2].replace(
+        REDIS_START.search(spec["command"][2]).group(1), str(tmp_path / "redis.conf")
+    )
+    shell_env = {"PATH": os.environ["PATH"], "REDIS_PASSWORD": password}
+    with redis_server(tmp_path, [], port, shell=script, env=shell_env) as proc:
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port).ping()
         client = redis.Redis(port=port, password=password)
         assert client.ping()
+        assert client.info("server")["process_id"] == proc.pid, "exec: redis-server replaced the shell"
+        assert password.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert int(client.config_get("maxmemory")["maxmemory"]) == _bytes(option["maxmemory"])
         client.set("csd:probe", "1")
         assert any(p.name.startswith("appendonly") for p in tmp_path.iterdir())
         probe = spec["readinessProbe"]["exec"]["command"]
@@ -329,3 +434,123 @@ def test_redis_starts_with_the_statefulset_arguments(rendered, example_secrets, 
             probe, env={"PATH": os.environ["PATH"], "REDISCLI_AUTH": "wrong"}, timeout=10, capture_output=True
         )
         assert bad.returncode != 0
+
+
+# ---------------------------------------------------------------- the inference gateway example
+
+GATEWAY = K8S / "inference-gateway"
+SCHEMAS = K8S.parents[1] / "tests/deploy/schemas"
+CRD_SCHEMAS = {
+    "InferencePool": json.loads((SCHEMAS / "inferencepool-inference-v1.json").read_text()),
+    "HTTPRoute": json.loads((SCHEMAS / "httproute-gateway-v1.json").read_text()),
+}
+PROTOCOL = yaml.safe_load((K8S.parents[1] / "tests/deploy/fixtures/model-server-protocol.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def gateway() -> list[dict]:
+    return render(GATEWAY)
+
+
+def test_inference_gateway_example_validates_against_the_checked_in_schemas(gateway):
+    assert sorted(r["kind"] for r in gateway) == ["HTTPRoute", "InferencePool"]
+    for resource in gateway:
+        jsonschema.validate(resource, CRD_SCHEMAS[resource["kind"]])
+
+
+def test_inference_gateway_schemas_catch_mistakes(gateway):
+    pool, route = find(gateway, "InferencePool"), find(gateway, "HTTPRoute")
+    mistakes = [
+        (pool, lambda p: p["spec"].update(targetPortNumber=8000)),  # the v1alpha2 field, gone in v1
+        (
+            pool,
+            lambda p: p["spec"].update(selector={"app.kubernetes.io/name": "csd-serve"}),
+        ),  # no matchLabels
+        (pool, lambda p: p["spec"]["targetPorts"][0].update(number=70000)),
+        (pool, lambda p: p["spec"]["endpointPickerRef"].update(failureMode="Open")),
+        (route, lambda r: r["spec"]["rules"][0].update(backendRef=r["spec"]["rules"][0]["backendRefs"])),
+        (route, lambda r: r["spec"]["rules"][0]["matches"][0]["path"].update(type="Prefix")),
+    ]
+    for resource, mutate in mistakes:
+        broken = json.loads(json.dumps(resource))
+        mutate(broken)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, CRD_SCHEMAS[resource["kind"]])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_pool_routes_to_the_csd_serve_pods(rendered, example_secrets, gateway, overlay):
+    resources = rendered[overlay]
+    pool, route = find(gateway, "InferencePool"), find(gateway, "HTTPRoute")
+    deployment = _serve(resources)
+    assert pool["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    workloads = [r for r in resources if r["kind"] in ("Deployment", "StatefulSet")]
+    members = [
+        w["metadata"]["name"]
+        for w in workloads
+        if selector_matches(pool["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])
+    ]
+    assert members == ["csd-serve"], "the pool holds the csd-serve replicas and nothing else"
+    spec = container(deployment, "csd-serve")
+    (target,) = pool["spec"]["targetPorts"]
+    assert target["number"] == next(p["containerPort"] for p in spec["ports"] if p["name"] == "http")
+    (rule,) = route["spec"]["rules"]
+    (backend,) = rule["backendRefs"]
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        "inference.networking.k8s.io",
+        "InferencePool",
+        pool["metadata"]["name"],
+    )
+    api_paths = [m["path"]["value"] for m in rule["matches"]]
+    assert all(any(path.startswith(prefix) for prefix in api_paths) for path in PROTOCOL["api"])
+    settings = settings_from_environment(container_environment(resources, spec, example_secrets))
+    timeout = rule["timeouts"]["request"]
+    assert timeout.endswith("s") and int(timeout[:-1]) > settings.request_timeout_s, (
+        "the service times out first"
+    )
+
+
+def test_the_pool_members_export_what_the_endpoint_picker_reads():
+    """The model server protocol's metrics, under the names the endpoint picker scrapes, of the types it
+    expects (checked on the running service by test_dashboard_live.py)."""
+    for metric in PROTOCOL["metrics"]:
+        assert metric["type"] == "gauge" and metric["name"] in GAUGES, metric
+
+
+def test_a_full_redis_refuses_writes_and_the_store_says_so(rendered, tmp_path):
+    """Why noeviction (redis.conf): at maxmemory Redis refuses the OCM's writes instead of silently dropping
+    keys, and the store keeps serving what it learned, keeps the increments buffered and reports itself
+    degraded. The real redis-server with the ConfigMap's redis.conf; once data is in, maxmemory is lowered
+    below it, as if the patterns had filled Redis."""
+    from ocm_store import Namespace
+    from ocm_store.redis_store import RedisStore
+
+    resources = rendered["overlays/cpu"]
+    text, option = _redis_conf(resources, _redis(resources))
+    port = free_port()
+    conf = text.replace(f"port {option['port']}", f"port {port}").replace(
+        f"dir {option['dir']}", f"dir {tmp_path}"
+    )
+    (tmp_path / "redis.conf").write_text(conf)
+    namespace = Namespace("target@rev", "ngram", "vocab")
+    with redis_server(tmp_path, [str(tmp_path / "redis.conf")], port):
+        client = redis.Redis(port=port)
+        client.set("csd:learned", "x" * 2_000_000)  # stands for the patterns already stored
+        client.config_set("maxmemory", "1mb")
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            client.set("csd:probe", "x")
+        store = RedisStore(f"redis://127.0.0.1:{port}/0", flush_interval_s=0.05, max_backoff_s=0.2)
+        try:
+            memory = store.memory(namespace)
+            for _ in range(3):
+                memory.record([(7, 1007)])
+            deadline = time.monotonic() + 10
+            while store.status().healthy and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status = store.status()
+            assert not status.healthy, status
+            assert memory.counts([(7, 1007)]) == [3], "what the replica learned still rescues"
+            # nothing evicted (an LRU policy would have dropped the stored key to make room), nothing written
+            assert client.keys("*") == [b"csd:learned"]
+        finally:
+            store.close()

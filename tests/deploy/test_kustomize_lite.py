@@ -14,7 +14,7 @@ import yaml
 from tests.deploy.kustomize_lite import Unsupported, config_map_hash, render, strategic_merge
 from tests.deploy.support import K8S
 
-KUSTOMIZATIONS = ["base", "overlays/cpu", "overlays/gpu"]
+KUSTOMIZATIONS = ["base", "overlays/cpu", "overlays/gpu", "inference-gateway"]
 
 
 def _by_identity(resources: list[dict]) -> dict:

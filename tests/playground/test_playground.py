@@ -207,7 +207,7 @@ def test_run_streams_coloured_tokens_and_figures(page: Page, server: Server) -> 
 def test_stop_stops_the_generation_on_the_server(page: Page, server: Server) -> None:
     page.set_key(API_KEY)
     page.configure(prompt=COUNTING, method="sd", max_tokens="500")
-    before = server.metrics().value("csd_generation_tokens_total")
+    before = server.metrics().value("vllm:generation_tokens_total")
     page.run()
     page.page.wait_for_function("document.querySelectorAll('.pane .stream .tok').length >= 4")
     # The figures move while the tokens stream, before any final statistics.
@@ -217,10 +217,10 @@ def test_stop_stops_the_generation_on_the_server(page: Page, server: Server) -> 
     page.page.click("#stop")
     assert page.wait_finished() == "Stopped."
     assert page.page.is_hidden("#error")
-    assert wait_until(lambda: server.metrics().value("csd_num_requests_running") == 0, timeout=10)
-    generated = server.metrics().value("csd_generation_tokens_total") - before
+    assert wait_until(lambda: server.metrics().value("vllm:num_requests_running") == 0, timeout=10)
+    generated = server.metrics().value("vllm:generation_tokens_total") - before
     time.sleep(1.0)
-    assert server.metrics().value("csd_generation_tokens_total") - before == generated  # it stays stopped
+    assert server.metrics().value("vllm:generation_tokens_total") - before == generated  # it stays stopped
     assert 4 <= generated < 500
     assert page.errors == []
 
