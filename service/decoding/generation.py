@@ -173,7 +173,7 @@ class Generation:
         of every position for verification."""
         if self.grammar is None:
             return draft
-        budget = self.draft_budget() if self.drafter is not None else 0
+        budget = self.draft_budget() if self.drafter is not None and self.spec.jump_forward else 0
         forced = self.grammar.forced_tokens(budget)
         if forced and draft.tokens[: len(forced)] != forced:
             draft = Draft(forced, None, FORCED_KEY)

@@ -49,6 +49,8 @@ class SpeculativeConfig:
     lossy_threshold: float = 0.6
     # CSD never rescues a token (or over a token) that is a number, a negation or a name (`fact_guard`)
     guard_facts: bool = True
+    # structured output: draft the tokens the grammar forces (jump-forward); off only to measure what it buys
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, Method):
