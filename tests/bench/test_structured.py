@@ -209,7 +209,11 @@ def test_the_markdown_shows_every_method_and_the_failures():
 
 def test_arguments():
     args = parse_args([])
-    assert args.methods == ["vanilla", "sd", "csd"] and args.drafter == "combined" and args.threads == 1
+    assert (
+        args.methods == ["vanilla", "sd", "csd", "sd-no-jump"]
+        and args.drafter == "combined"
+        and args.threads == 1
+    )
     assert args.max_tokens == 192 and args.items is None
     assert parse_args(["--items", "a, b"]).items == ["a", "b"]
     for bad in (["--methods", "lossy"], ["--max-tokens", "0"], ["--threads", "0"], ["--drafter", "x"]):
@@ -239,3 +243,15 @@ def test_a_small_run_through_the_real_model(embedded, single_thread, tmp_path):
     assert "| vanilla |" in text and "| sd |" in text and "torch threads 1" in text
     if importlib.util.find_spec("service.decoding.grammar") is not None:  # enforcement is in the engine
         assert all(o["status"] == "valid" for o in saved["outcomes"]), saved["outcomes"]
+
+
+def test_what_jump_forward_buys_is_judged_from_sd_and_sd_no_jump():
+    row = {"tokens_per_second": 10.0, "tokens_per_forward": 2.0, "speedup": 1.0, "items": 38}
+    slower = {**row, "tokens_per_second": 8.0, "tokens_per_forward": 1.5}
+    goals = judge({}, {"vanilla": row, "sd": row, "sd-no-jump": slower})
+    jump = next(g for g in goals if "jump-forward" in g["goal"])
+    assert jump["status"] == "met" and jump["measured"].startswith("1.25x")
+    goals = judge({}, {"vanilla": row, "sd": slower, "sd-no-jump": row})
+    assert next(g for g in goals if "jump-forward" in g["goal"])["status"] == "missed"
+    # sd-no-jump is a measurement, not one of the methods: no speed goal of its own
+    assert not any("sd-no-jump is at least as fast" in g["goal"] for g in goals)
