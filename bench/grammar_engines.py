@@ -1,6 +1,6 @@
 """Which grammar engine constrains decoding: llguidance vs xgrammar, measured on the served tokenizer.
 
-    python -m bench.grammar_engines [--model embedded] [--repeats 3]
+    python -m bench.grammar_engines [--model embedded] [--repeats 3]   # pip install xgrammar to compare it too
 
 Per engine: the one-off cost of preparing the tokenizer, the cost of compiling each schema, and the cost of
 one next-token mask while walking a valid JSON document token by token (what a decoding step pays), plus
