@@ -46,9 +46,10 @@ class LogitsProcessing:
                 self.bias[token] = value
         # the tokens min_tokens holds back (EOS and the stop token ids)
         self.end_ids = torch.tensor(sorted(set(end_ids)), dtype=torch.long, device=device)
-        self.output_counts = torch.zeros(vocab_size, device=device)  # per token: how often generated
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # prompt or output
-        if prompt_ids:
+        # only the penalties need the counts (most requests have none: nothing to allocate per request)
+        self.output_counts = torch.zeros(vocab_size if self.penalized else 0, device=device)  # per token
+        self.seen = torch.zeros(vocab_size if self.penalized else 0, dtype=torch.bool, device=device)
+        if prompt_ids and self.penalized:  # the prompt counts for the repetition penalty
             self.seen[torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
 
     @property
