@@ -7,7 +7,7 @@ from __future__ import annotations
 from starlette.concurrency import run_in_threadpool
 
 from service.api.errors import APIError, bad_request, unsupported
-from service.api.schemas import ChatCompletionRequest, CompletionRequest, SpeculativeOptions
+from service.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SpeculativeOptions
 from service.api.worker import GenerationPlan
 from service.config import Settings
 from service.decoding import DecodingError, Method, SamplingParams, SpeculativeConfig
@@ -69,7 +69,7 @@ def speculative_config(
     return spec, drafter
 
 
-def _check_text(text: str, param: str) -> None:
+def check_text(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -89,28 +89,56 @@ def _completion_prompt(body: CompletionRequest) -> str:
     assert isinstance(prompt, str)
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
-    _check_text(prompt, "prompt")
+    check_text(prompt, "prompt")
     return prompt
 
 
-def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    messages = []
-    for i, message in enumerate(body.messages):
+def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    rendered = []
+    for i, message in enumerate(messages):
         text = message.text
-        _check_text(text, f"messages.{i}.content")
+        check_text(text, f"messages.{i}.content")
         # Chat templates know "system"; OpenAI's newer "developer" role means the same thing.
         role = "system" if message.role == "developer" else message.role
-        messages.append({"role": role, "content": text})
-    return messages
+        rendered.append({"role": role, "content": text})
+    return rendered
 
 
-def _encode_chat(runtime: Runtime, messages: list[dict[str, str]]) -> list[int]:
+def _encode_chat(
+    runtime: Runtime,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
     try:
-        return encode_chat(runtime.target.tokenizer, messages)
+        return encode_chat(
+            runtime.target.tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
     except DecodingError:
         raise
     except Exception as exc:  # a chat template may refuse a conversation (jinja raises its own errors)
         raise DecodingError(f"the model's chat template refused these messages: {exc}") from exc
+
+
+async def encode_messages(
+    runtime: Runtime,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """A conversation's prompt ids, exactly as a chat completion renders it (also for /tokenize)."""
+    rendered = _chat_messages(messages)
+    try:
+        # Rendering and tokenising a long conversation takes a while: off the event loop.
+        return await run_in_threadpool(
+            _encode_chat, runtime, rendered, add_generation_prompt, continue_final_message
+        )
+    except DecodingError as exc:
+        raise bad_request(str(exc), param="messages") from None
 
 
 def _sampling(
@@ -181,12 +209,8 @@ async def plan_completion(body: CompletionRequest, settings: Settings, runtime: 
 
 async def plan_chat(body: ChatCompletionRequest, settings: Settings, runtime: Runtime) -> GenerationPlan:
     check_request(body, settings, runtime)
-    messages = _chat_messages(body)
     spec, drafter = speculative_config(settings, body.speculative, runtime)
-    try:
-        ids = await run_in_threadpool(_encode_chat, runtime, messages)
-    except DecodingError as exc:
-        raise bad_request(str(exc), param="messages") from None
+    ids = await encode_messages(runtime, body.messages)
     return _plan(body, ids, spec, drafter, settings, runtime)
 
 

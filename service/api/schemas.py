@@ -342,6 +342,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "csd-serve"
+    max_model_len: int = Field(
+        description="the model's context in tokens, prompt and output together (vLLM's)"
+    )
 
 
 class ModelList(BaseModel):
