@@ -4,14 +4,26 @@ user error is a 400/404 before anything waits in the queue."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
 from starlette.concurrency import run_in_threadpool
 
 from service.api.errors import APIError, bad_request, unsupported
-from service.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SpeculativeOptions
+from service.api.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SpeculativeOptions,
+    Tool,
+)
+from service.api.tools import ToolPlan, render_messages, template_renders_tools
 from service.api.worker import GenerationPlan
 from service.config import Settings
 from service.decoding import DecodingError, Method, SamplingParams, SpeculativeConfig
 from service.decoding.text import encode_chat, encode_prompt
+from service.decoding.types import Constraint, ConstraintKind
 from service.runtime import Runtime
 
 
@@ -93,20 +105,10 @@ def _completion_prompt(body: CompletionRequest) -> str:
     return prompt
 
 
-def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    rendered = []
-    for i, message in enumerate(messages):
-        text = message.text
-        check_text(text, f"messages.{i}.content")
-        # Chat templates know "system"; OpenAI's newer "developer" role means the same thing.
-        role = "system" if message.role == "developer" else message.role
-        rendered.append({"role": role, "content": text})
-    return rendered
-
-
 def _encode_chat(
     runtime: Runtime,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
 ) -> list[int]:
@@ -114,6 +116,7 @@ def _encode_chat(
         return encode_chat(
             runtime.target.tokenizer,
             messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )
@@ -126,16 +129,22 @@ def _encode_chat(
 async def encode_messages(
     runtime: Runtime,
     messages: list[ChatMessage],
+    tools: Sequence[Tool] | None = None,
     *,
+    parallel_tool_calls: bool = True,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
 ) -> list[int]:
-    """A conversation's prompt ids, exactly as a chat completion renders it (also for /tokenize)."""
-    rendered = _chat_messages(messages)
+    """A conversation's prompt ids, exactly as a chat completion renders it (also for /tokenize). `tools`:
+    the definitions the model is shown (through the template if it renders them, else `tools`' default)."""
+    for i, message in enumerate(messages):
+        check_text(message.text, f"messages.{i}.content")
+    native = template_renders_tools(runtime.target.tokenizer)
+    rendered, template_tools = render_messages(messages, tools, native=native, parallel=parallel_tool_calls)
     try:
         # Rendering and tokenising a long conversation takes a while: off the event loop.
         return await run_in_threadpool(
-            _encode_chat, runtime, rendered, add_generation_prompt, continue_final_message
+            _encode_chat, runtime, rendered, template_tools, add_generation_prompt, continue_final_message
         )
     except DecodingError as exc:
         raise bad_request(str(exc), param="messages") from None
@@ -207,11 +216,24 @@ async def plan_completion(body: CompletionRequest, settings: Settings, runtime: 
     return _plan(body, ids, spec, drafter, settings, runtime)
 
 
-async def plan_chat(body: ChatCompletionRequest, settings: Settings, runtime: Runtime) -> GenerationPlan:
+async def plan_chat(
+    body: ChatCompletionRequest, settings: Settings, runtime: Runtime, tools: ToolPlan | None = None
+) -> GenerationPlan:
+    """`tools`: what `tools.tool_plan(body)` made of the request's tool fields (None: plain text)."""
     check_request(body, settings, runtime)
     spec, drafter = speculative_config(settings, body.speculative, runtime)
-    ids = await encode_messages(runtime, body.messages)
-    return _plan(body, ids, spec, drafter, settings, runtime)
+    ids = await encode_messages(
+        runtime,
+        body.messages,
+        tools.tools if tools else None,
+        parallel_tool_calls=tools.parallel if tools else True,
+    )
+    plan = _plan(body, ids, spec, drafter, settings, runtime)
+    schema = tools.constraint() if tools else None
+    if schema is not None:  # tool_choice required or a named function: decoding enforces the JSON
+        constraint = Constraint(ConstraintKind.JSON_SCHEMA, schema)
+        plan = dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling, constraint=constraint))
+    return plan
 
 
 def _plan(

@@ -21,11 +21,14 @@ from service.api.schemas import (
     CompletionChoice,
     CompletionChunk,
     CompletionResponse,
+    FunctionCallDelta,
     ProvenanceToken,
     SpeculativeStats,
     SpeculativeTokens,
+    ToolCallDelta,
     Usage,
 )
+from service.api.tools import CallStart, TextDelta, ToolPlan, collect
 from service.api.worker import GenerationPlan, StepEvent
 from service.decoding import GenerationStats
 
@@ -100,6 +103,16 @@ class Formatter:
     def finish_chunk(self, finish_reason: str, stats: GenerationStats) -> dict:
         raise NotImplementedError
 
+    def step_chunks(self, event: StepEvent) -> list[dict]:
+        """What one round sends: usually its one chunk; tool calls may need more (OpenAI sends a call's
+        name and its arguments as two deltas)."""
+        chunk = self.step_chunk(event)
+        return [] if chunk is None else [chunk]
+
+    def finish_chunks(self, finish_reason: str, stats: GenerationStats) -> list[dict]:
+        """The chunks that end the stream: held-back text or tool calls, then the finish chunk."""
+        return [self.finish_chunk(finish_reason, stats)]
+
     def usage_chunk(self, stats: GenerationStats) -> dict:
         raise NotImplementedError
 
@@ -154,7 +167,17 @@ class CompletionFormatter(Formatter):
 
 
 class ChatFormatter(Formatter):
+    """With `tools` (a ToolPlan), the generated text goes through its tool-call parser: content and
+    tool calls in the response, content and tool-call deltas in the stream."""
+
     id_prefix = "chatcmpl"
+
+    def __init__(
+        self, model: str, plan: GenerationPlan, include_usage: bool = False, tools: ToolPlan | None = None
+    ) -> None:
+        super().__init__(model, plan, include_usage)
+        self.tools = tools
+        self._stream = tools.stream() if tools is not None else None
 
     def _chunk(self, **kwargs: object) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, **kwargs)  # type: ignore[arg-type]
@@ -170,8 +193,55 @@ class ChatFormatter(Formatter):
         return self._dump(self._chunk(choices=[choice], speculative=self._step_speculative(event)))
 
     def finish_chunk(self, finish_reason: str, stats: GenerationStats) -> dict:
+        if self.tools is not None and self._stream is not None:
+            finish_reason = self.tools.finish_reason(finish_reason, called=self._stream.calls > 0)
         choice = ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)  # type: ignore[arg-type]
         return self._dump(self._chunk(choices=[choice], speculative=speculative_stats(self.plan, stats)))
+
+    def step_chunks(self, event: StepEvent) -> list[dict]:
+        if self._stream is None:
+            return super().step_chunks(event)
+        deltas = self._deltas(event.text)
+        speculative = self._step_speculative(event)
+        if speculative is not None and not deltas:  # provenance goes out as the tokens are decided
+            deltas = [ChatDelta()]
+        return [
+            # the round's provenance rides on its first chunk
+            self._dump(
+                self._chunk(choices=[ChatChunkChoice(delta=d)], speculative=speculative if i == 0 else None)
+            )
+            for i, d in enumerate(deltas)
+        ]
+
+    def finish_chunks(self, finish_reason: str, stats: GenerationStats) -> list[dict]:
+        if self._stream is None:
+            return super().finish_chunks(finish_reason, stats)
+        held = [self._dump(self._chunk(choices=[ChatChunkChoice(delta=d)])) for d in self._deltas(None)]
+        return [*held, self.finish_chunk(finish_reason, stats)]
+
+    def _deltas(self, text: str | None) -> list[ChatDelta]:
+        """The parser's events for `text` (None: the end) as deltas; consecutive content pieces merge."""
+        assert self._stream is not None
+        events = self._stream.close() if text is None else self._stream.feed(text)
+        deltas: list[ChatDelta] = []
+        for event in events:
+            if isinstance(event, TextDelta):
+                if deltas and deltas[-1].content is not None:
+                    deltas[-1].content += event.text
+                else:
+                    deltas.append(ChatDelta(content=event.text))
+            elif isinstance(event, CallStart):
+                call = ToolCallDelta(
+                    index=event.index,
+                    id=event.id,
+                    type="function",
+                    function=FunctionCallDelta(name=event.name, arguments=""),
+                )
+                deltas.append(ChatDelta(tool_calls=[call]))
+            else:
+                piece = FunctionCallDelta(arguments=event.arguments)
+                deltas.append(ChatDelta(tool_calls=[ToolCallDelta(index=event.index, function=piece)]))
+        return deltas
 
     def usage_chunk(self, stats: GenerationStats) -> dict:
         return self._dump(
@@ -181,11 +251,17 @@ class ChatFormatter(Formatter):
     def response(
         self, text: str, finish_reason: str, stats: GenerationStats, tokens: list[ProvenanceToken] | None
     ) -> dict:
+        message = AssistantMessage(content=text)
+        if self.tools is not None:
+            stream = self.tools.stream()  # a fresh parser: the whole text at once
+            content, calls = collect([*stream.feed(text), *stream.close()])
+            message = AssistantMessage(content=content, tool_calls=calls or None)
+            finish_reason = self.tools.finish_reason(finish_reason, called=bool(calls))
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)],  # type: ignore[arg-type]
+            choices=[ChatChoice(message=message, finish_reason=finish_reason)],  # type: ignore[arg-type]
             usage=usage(stats),
             speculative=speculative_stats(self.plan, stats, tokens),
         ).model_dump(mode="json")

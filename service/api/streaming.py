@@ -137,11 +137,11 @@ async def _stream(worker: EngineWorker, job: Job, formatter: Formatter, first: E
         event = first
         while True:
             if isinstance(event, StepEvent):
-                chunk = formatter.step_chunk(event)
-                if chunk is not None:
+                for chunk in formatter.step_chunks(event):
                     yield sse(chunk)
             elif isinstance(event, DoneEvent):
-                yield sse(formatter.finish_chunk(event.finish_reason, event.stats))
+                for chunk in formatter.finish_chunks(event.finish_reason, event.stats):
+                    yield sse(chunk)
                 if formatter.include_usage:
                     yield sse(formatter.usage_chunk(event.stats))
                 yield DONE

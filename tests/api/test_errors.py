@@ -34,7 +34,7 @@ BAD_BODIES = [
     ("n-2", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 2}, 400, "n", "unsupported_parameter"),
     ("logprobs-chat", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
     ("logprobs-completion", "/v1/completions", {**COMPLETION, "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
-    ("tools", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "unsupported_parameter"),
+    ("legacy-functions", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions", "unsupported_parameter"),
     ("json-mode", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_parameter"),
     ("echo", "/v1/completions", {**COMPLETION, "echo": True}, 400, "echo", "unsupported_parameter"),
     ("best-of", "/v1/completions", {**COMPLETION, "best_of": 3}, 400, "best_of", "unsupported_parameter"),

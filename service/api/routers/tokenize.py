@@ -18,7 +18,7 @@ from service import __version__
 from service.api.deps import Authorized, ServingRuntime
 from service.api.errors import bad_request
 from service.api.plan import check_model, check_text, encode_messages
-from service.api.schemas import ChatMessage, ErrorResponse, _Request
+from service.api.schemas import ChatMessage, ErrorResponse, Tool, _Request
 from service.runtime import Runtime
 
 router = APIRouter(tags=["tokenizer"])
@@ -37,6 +37,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = Field(
         None, min_length=1, description="a conversation, rendered by the chat template"
     )
+    tools: list[Tool] | None = Field(None, description="with `messages`: tool definitions, as in chat")
     add_special_tokens: bool | None = Field(
         None,
         description="add the tokenizer's special tokens (BOS, ...); default: true for `prompt`, false for "
@@ -52,6 +53,8 @@ class TokenizeRequest(_Request):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt and messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go with messages, not with prompt")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt: false")
         return self
@@ -100,6 +103,7 @@ async def tokenize(body: TokenizeRequest, runtime: ServingRuntime) -> TokenizeRe
         ids = await encode_messages(
             runtime,
             body.messages,
+            body.tools,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
         )
