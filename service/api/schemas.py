@@ -195,9 +195,14 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = Field(None, description="assistant: the tools it called")
     tool_call_id: str | None = Field(None, description="tool: the call this message answers")
+    function_call: Any = Field(None, description="not supported (the legacy API: send tool_calls)")
 
     @model_validator(mode="after")
     def _fields_of_the_role(self) -> ChatMessage:
+        if self.function_call is not None:
+            raise ValueError(
+                "function_call is the legacy function-calling API, not supported: send tool_calls"
+            )
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content is required (only an assistant turn with tool_calls may omit it)")
         if self.tool_calls is not None and self.role != "assistant":

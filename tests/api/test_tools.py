@@ -13,6 +13,10 @@ from collections.abc import Iterator
 import jsonschema
 import openai
 import pytest
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel
 
 from tests.api.conftest import Server, assert_openai_error, start_server
 
@@ -253,6 +257,7 @@ BAD = [
     ("arguments-not-a-string", {"messages": [*CHAT, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]}]}, "messages.1.tool_calls.0.function.arguments"),
     ("user-tool-calls", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0"),
     ("user-without-content", {"messages": [{"role": "user"}]}, "messages.0"),
+    ("legacy-function-call-in-history", {"messages": [*CHAT, {"role": "assistant", "content": None, "function_call": {"name": "add", "arguments": "{}"}}]}, "messages.1"),
 ]  # fmt: skip
 
 
@@ -264,6 +269,20 @@ def test_bad_tool_requests_name_the_field(server: Server, fields: dict, param: s
     assert "Traceback" not in error["message"]
 
 
+def test_the_openai_agent_loop(client: openai.OpenAI) -> None:
+    """The loop of OpenAI's function-calling guide: the reply's message goes back as it is (content null,
+    function_call null, refusal ...), then one tool result per call."""
+    messages = list(ONE_CALL)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=60)
+    message = reply.choices[0].message
+    messages.append(message)
+    for call in message.tool_calls:
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"})
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=30)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert answer.usage.prompt_tokens > reply.usage.prompt_tokens
+
+
 def test_a_history_with_tool_calls_and_results_is_served(client: openai.OpenAI) -> None:
     messages = [
         *_asked(1, "Rome"),
@@ -272,3 +291,59 @@ def test_a_history_with_tool_calls_and_results_is_served(client: openai.OpenAI) 
     ]
     response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
     assert response.choices[0].message.content  # no tools this turn: plain text, the history rendered
+
+
+# ---------------------------------------------------------------- LangChain, as a user points it here
+
+
+@pytest.fixture(scope="module")
+def chat_model(server: Server) -> ChatOpenAI:
+    return ChatOpenAI(
+        base_url=f"{server.url}/v1",
+        api_key="unused",
+        model=MODEL,
+        max_tokens=60,
+        temperature=0,
+        max_retries=0,
+    )
+
+
+def _langchain_history() -> list:
+    history = []
+    for i, city in enumerate(("Rome", "Oslo")):
+        call = {"id": f"call_{i}", "name": "get_weather", "args": {"city": city}}
+        history += [HumanMessage(f"Weather in {city}?"), AIMessage(content="", tool_calls=[call])]
+    return [*history, HumanMessage("Weather in Paris?")]
+
+
+def test_langchain_bind_tools_invoke_and_stream(chat_model: ChatOpenAI) -> None:
+    @tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city"""
+        return "sunny"
+
+    bound = chat_model.bind_tools([get_weather])
+    messages = _langchain_history()
+    reply = bound.invoke(messages)
+    assert [(c["name"], c["args"]) for c in reply.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert not reply.invalid_tool_calls
+
+    merged = None
+    for chunk in bound.stream(messages):  # LangChain adds the chunks up by index, as with OpenAI
+        merged = chunk if merged is None else merged + chunk
+    assert [(c["name"], c["args"]) for c in merged.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+    # The agent loop's next step: LangChain's own AIMessage and ToolMessage go back into the history.
+    answered = [*messages, reply, ToolMessage(content="sunny, 21 C", tool_call_id=reply.tool_calls[0]["id"])]
+    assert bound.invoke(answered).content is not None
+
+
+def test_langchain_structured_output_by_function_calling(chat_model: ChatOpenAI) -> None:
+    class Weather(BaseModel):
+        city: str
+        temperature_c: int
+
+    # A named tool_choice under the hood: constrained decoding makes the arguments a Weather.
+    extract = chat_model.with_structured_output(Weather, method="function_calling", include_raw=True)
+    out = extract.invoke("Paris is 21 degrees C today. Extract the weather.")
+    assert out["parsing_error"] is None and isinstance(out["parsed"], Weather), out["raw"]
