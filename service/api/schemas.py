@@ -2,8 +2,8 @@
 
 Requests are validated strictly (a string is not a number, a number is not a string): a wrong type is a 400
 naming the field. Unknown top-level fields are ignored, as vLLM does, so newer clients keep working; fields
-we know but do not support (n > 1, logprobs, legacy functions, ...) are refused by `unsupported_field()` with a 400
-that names them. The `speculative` extension object is ours, so it refuses unknown keys (typos).
+we know but do not support (n > 1, logprobs, legacy functions, ...) are refused by `unsupported_field()`
+with a 400 that names them. The `speculative` extension object is ours, so it refuses unknown keys (typos).
 """
 
 from __future__ import annotations

@@ -98,12 +98,10 @@ def tool_plan(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
     tools = tuple(body.tools or ())
     choice = body.tool_choice
     if not tools:
-        if body.tools is not None:
-            raise bad_request("tools must not be empty (leave it out for no tools)", param="tools")
-        if choice not in (None, "none"):
-            raise bad_request("tool_choice needs tools: there is no tool to choose", param="tool_choice")
-        if body.parallel_tool_calls is not None:
-            raise bad_request("parallel_tool_calls needs tools", param="parallel_tool_calls")
+        # Agent frameworks send `tools: []`, "auto" and parallel_tool_calls with no tools to offer: honoured
+        # as they stand (nothing to call). Only a call the request insists on cannot be made.
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            raise bad_request("tool_choice asks for a tool call, but tools is empty", param="tool_choice")
         return None
     seen: set[str] = set()
     for i, tool in enumerate(tools):
@@ -257,16 +255,13 @@ def render_messages(
                 rendered.append(entry)
             else:
                 block = f"<tool_response>\n{text}\n</tool_response>"
-                previous = rendered[-1] if rendered else None
                 # Consecutive results answer one turn's calls: one user turn holds them all.
-                if previous is not None and previous.get("_tool_responses"):
-                    previous["content"] += "\n" + block
+                if i > 0 and messages[i - 1].role == "tool":
+                    rendered[-1]["content"] += "\n" + block
                 else:
-                    rendered.append({"role": "user", "content": block, "_tool_responses": True})
+                    rendered.append({"role": "user", "content": block})
         else:
             rendered.append({"role": role, "content": text})
-    for entry in rendered:
-        entry.pop("_tool_responses", None)
     if not tools:
         return rendered, None
     if native:

@@ -1,5 +1,6 @@
 """service/api/tools.py on hand-written text, without a model: the hermes parser (whole and streamed),
-the "required" and named-function streams, the constraint schemas, and the default rendering."""
+the "required" and named-function streams, the constraint schemas, the request's tool fields (`tool_plan`) and
+the default rendering."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jsonschema
 import pytest
 
 from service.api.errors import APIError
-from service.api.schemas import ChatMessage, Tool
+from service.api.schemas import ChatCompletionRequest, ChatMessage, Tool
 from service.api.tools import (
     TOOL_CALL_PARSERS,
     CallArguments,
@@ -26,6 +27,7 @@ from service.api.tools import (
     render_messages,
     required_schema,
     template_renders_tools,
+    tool_plan,
 )
 from service.config import ToolCallParserName
 
@@ -313,3 +315,57 @@ def test_template_detection() -> None:
 
 def test_the_setting_names_every_registered_parser() -> None:
     assert set(get_args(ToolCallParserName)) == set(TOOL_CALL_PARSERS)
+
+
+def _plan(**fields: object):
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    )
+    return tool_plan(body, "hermes")
+
+
+def test_tool_plan_turns_the_request_into_a_constraint_and_a_parser() -> None:
+    tools = [WEATHER.model_dump(exclude_none=True), ADD.model_dump(exclude_none=True)]
+    assert _plan() is None and _plan(tools=tools, tool_choice="none") is None
+    auto = _plan(tools=tools)
+    assert auto.choice == "auto" and auto.constraint() is None
+    assert isinstance(auto.stream(), HermesToolStream)
+    assert auto.finish_reason("stop", called=True) == "tool_calls"
+    assert auto.finish_reason("length", called=True) == "length"
+    assert auto.finish_reason("stop", called=False) == "stop"
+
+    named = _plan(tools=tools, tool_choice={"type": "function", "function": {"name": "add"}})
+    assert named.constraint() == ADD.function.parameters  # the output is the arguments object itself
+    assert isinstance(named.stream(), NamedToolStream)
+    assert named.finish_reason("stop", called=True) == "stop"  # OpenAI's, for a forced function
+
+    required = _plan(tools=tools, tool_choice="required", parallel_tool_calls=False)
+    assert required.constraint() == required_schema([WEATHER, ADD], parallel=False)
+    assert required.constraint()["maxItems"] == 1
+    assert required.finish_reason("stop", called=True) == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice"),
+        (
+            {"tools": [ADD.model_dump()], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ({"tools": [ADD.model_dump(), ADD.model_dump()]}, "tools.1"),
+        (
+            {
+                "tools": [ADD.model_dump()],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
+    ],
+)
+def test_tool_plan_refuses_what_cannot_be_honoured(fields: dict, param: str) -> None:
+    with pytest.raises(APIError) as refused:
+        _plan(**fields)
+    assert refused.value.status_code == 400 and refused.value.param == param

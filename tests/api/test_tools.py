@@ -240,11 +240,10 @@ def test_required_calls_match_their_schemas(client: openai.OpenAI) -> None:
 
 CHAT = [{"role": "user", "content": "Hi"}]
 BAD = [
-    ("choice-without-tools", {"tool_choice": "auto"}, "tool_choice"),
+    ("required-without-tools", {"tool_choice": "required"}, "tool_choice"),
+    ("named-with-empty-tools", {"tools": [], "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice"),
     ("named-not-in-tools", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "rm"}}}, "tool_choice"),
     ("choice-bogus", {"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
-    ("parallel-without-tools", {"parallel_tool_calls": False}, "parallel_tool_calls"),
-    ("empty-tools", {"tools": []}, "tools"),
     ("tool-not-a-function", {"tools": [{"type": "retrieval"}]}, "tools.0.type"),
     ("tool-name-with-space", {"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools.0.function.name"),
     ("parameters-not-an-object", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools.0.function.parameters"),
@@ -267,6 +266,14 @@ def test_bad_tool_requests_name_the_field(server: Server, fields: dict, param: s
     with server.client() as http:
         error = assert_openai_error(http.post("/v1/chat/completions", json=body), 400, param=param)
     assert "Traceback" not in error["message"]
+
+
+def test_no_tools_to_offer_is_plain_chat(client: openai.OpenAI) -> None:
+    """What agent frameworks send with an empty toolbox: honoured as it stands, nothing to call."""
+    response = client.chat.completions.create(
+        model=MODEL, messages=PLAIN, tools=[], tool_choice="auto", parallel_tool_calls=False, max_tokens=8
+    )
+    assert response.choices[0].message.content and response.choices[0].message.tool_calls is None
 
 
 def test_the_openai_agent_loop(client: openai.OpenAI) -> None:
