@@ -19,9 +19,10 @@ Three parts, each a pure function or a small state machine, testable on hand-wri
    function, stays text.
 
 Streaming: content streams until a `<tool_call>` tag begins (a tail that could be the start of the tag is
-held back); an "auto" call is sent when its block closes, as OpenAI's two deltas (id, type and name with
-`arguments: ""`, then the arguments); a named function's arguments stream as they are generated; a
-"required" array sends each call as soon as its object is complete.
+held back); then each call goes out as OpenAI sends it: a delta with id, type and name (`arguments: ""`),
+then deltas carrying pieces of the arguments. An "auto" call starts once its block names a known function
+and its arguments stream as they are generated (a block in another shape is read when it closes); so do a
+named function's; a "required" array sends each call as soon as its object is complete.
 """
 
 from __future__ import annotations
@@ -394,8 +395,10 @@ class HermesToolStream(ToolCallStream):
 
     Content is the text outside the blocks, without the whitespace at its ends or next to a block (held
     back while it streams, so the stream and the whole response carry the same content). A block that
-    does not parse stays text. An unclosed block at the end (the model stopped after the JSON) is parsed
-    too. With `parallel` false only the first call is kept."""
+    begins `{"name": <a known function>, "arguments": {` streams: the call starts there and its arguments
+    follow as the model writes them, up to the object's closing brace. Any other block is read whole when
+    it closes: a call if it parses, else it stays text. An unclosed block at the end (the model stopped
+    after the JSON) counts too. With `parallel` false only the first call is kept."""
 
     def __init__(self, names: frozenset[str], parallel: bool = True) -> None:
         super().__init__()
@@ -405,11 +408,31 @@ class HermesToolStream(ToolCallStream):
         self.in_block = False
         self.held_space = ""  # trailing whitespace of the content, sent once more text follows
         self.strip_leading = True  # at the start and after a block
+        self.arguments: _ObjectEnd | None = None  # while a call's arguments stream
+        self.arguments_done = False
 
     def feed(self, text: str) -> list[ToolEvent]:
         self.buffer += text
         events: list[ToolEvent] = []
         while True:
+            if self.in_block and self.arguments is None:
+                events += self._open_call()
+            if self.arguments is not None:
+                if not self.arguments_done:
+                    end = self.arguments.scan(self.buffer)
+                    piece = self.buffer if end is None else self.buffer[:end]
+                    self.buffer = "" if end is None else self.buffer[end:]
+                    if piece:
+                        events.append(CallArguments(self.calls - 1, piece))
+                    if end is None:
+                        return events
+                    self.arguments_done = True
+                close = self.buffer.find(TOOL_CALL_CLOSE)
+                if close < 0:
+                    return events  # the rest of the block (its closing brace) is not content
+                self.buffer = self.buffer[close + len(TOOL_CALL_CLOSE) :]
+                self._end_block()
+                continue
             if self.in_block:
                 end = self.buffer.find(TOOL_CALL_CLOSE)
                 if end < 0:
@@ -432,6 +455,9 @@ class HermesToolStream(ToolCallStream):
 
     def close(self) -> list[ToolEvent]:
         rest, self.buffer = self.buffer, ""
+        if self.arguments is not None:  # cut off while its arguments streamed: the call stays as it is
+            self._end_block()
+            return []
         if self.in_block:
             self.in_block = False
             return self._block(rest, closed=False)
@@ -450,6 +476,24 @@ class HermesToolStream(ToolCallStream):
             self.held_space = text[len(body) :]
         return [TextDelta(body)] if body else []
 
+    def _open_call(self) -> list[ToolEvent]:
+        """Start streaming a call once the block's head names a known function (and more may be called)."""
+        head = _CALL_HEAD.match(self.buffer)
+        if head is None or self.buffer[head.end() : head.end() + 1] != "{":
+            return []
+        if head.group(1) not in self.names or (self.calls and not self.parallel):
+            return []  # read whole when the block closes: text, or a dropped extra call
+        self.buffer = self.buffer[head.end() :]
+        self.arguments = _ObjectEnd()
+        self.calls += 1
+        return [CallStart(self.calls - 1, new_call_id(), head.group(1))]
+
+    def _end_block(self) -> None:
+        self.in_block = False
+        self.arguments = None
+        self.arguments_done = False
+        self.strip_leading = True
+
     def _block(self, block: str, closed: bool) -> list[ToolEvent]:
         parsed = parse_call(block.strip(), self.names)
         if parsed is None:  # not a call: the model's text, tags and all
@@ -458,6 +502,39 @@ class HermesToolStream(ToolCallStream):
         if self.calls and not self.parallel:
             return []  # parallel_tool_calls: false keeps the first call only
         return self._call(*parsed)
+
+
+# The head of a Hermes call, up to the arguments object: {"name": "get_weather", "arguments": {
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+class _ObjectEnd:
+    """Finds where a JSON object ends as its text streams in (braces inside strings do not count)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def scan(self, text: str) -> int | None:
+        """The index just past the object's closing brace in `text`, or None if the object goes on."""
+        for i, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
 
 
 def _partial_suffix(text: str, tag: str) -> int:

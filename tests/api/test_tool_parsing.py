@@ -120,6 +120,27 @@ def test_hermes_sends_a_call_as_openai_does() -> None:
     assert arguments == CallArguments(0, '{"city": "Paris"}')
 
 
+def test_hermes_streams_arguments_as_the_model_writes_them() -> None:
+    stream = HermesToolStream(NAMES)
+    assert stream.feed('<tool_call>\n{"name": "get_wea') == []  # not yet known to be a call
+    start, first = stream.feed('ther", "arguments": {"city": "Pa')
+    assert isinstance(start, CallStart) and start.name == "get_weather"
+    assert first == CallArguments(0, '{"city": "Pa')
+    assert stream.feed('ris"}}\n</tool_call> ok') == [CallArguments(0, 'ris"}'), TextDelta("ok")]
+    assert stream.close() == []
+
+
+def test_hermes_arguments_end_at_their_own_closing_brace() -> None:
+    text = '<tool_call>{"name": "add", "arguments": {"q": "a } b \\" {", "n": [1, {"x": 2}]}}</tool_call>'
+    expected = (None, [("add", '{"q": "a } b \\" {", "n": [1, {"x": 2}]}')])
+    assert whole(HermesToolStream(NAMES), text) == expected
+    assert json.loads(expected[1][0][1]) == {"q": 'a } b " {', "n": [1, {"x": 2}]}
+    cut = '<tool_call>{"name": "add", "arguments": {"a": 1, "b'  # max_tokens cut it: the call stays, cut too
+    assert whole(HermesToolStream(NAMES), cut) == (None, [("add", '{"a": 1, "b')])
+    events = piecewise(HermesToolStream(NAMES), cut)
+    assert "".join(e.arguments for e in events if isinstance(e, CallArguments)) == '{"a": 1, "b'
+
+
 def test_hermes_holds_back_only_what_could_start_a_tag() -> None:
     stream = HermesToolStream(NAMES)
     assert stream.feed("Hello <tool") == [TextDelta("Hello")]  # the space waits: it may end the content
