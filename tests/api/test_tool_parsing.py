@@ -4,6 +4,7 @@ the default rendering."""
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import get_args
 
@@ -30,6 +31,7 @@ from service.api.tools import (
     tool_plan,
 )
 from service.config import ToolCallParserName
+from service.decoding.text import encode_chat
 
 NAMES = frozenset({"get_weather", "add"})
 WEATHER = Tool.model_validate(
@@ -390,3 +392,27 @@ def test_tool_plan_refuses_what_cannot_be_honoured(fields: dict, param: str) -> 
     with pytest.raises(APIError) as refused:
         _plan(**fields)
     assert refused.value.status_code == 400 and refused.value.param == param
+
+
+# A tool-aware template in the style of Qwen2.5's (tools listed in the system turn, calls and results as
+# their own blocks), set on the real tokenizer: the native path through transformers' own Jinja rendering.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTOOLS:{% for tool in tools %}{{ tool | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{% for call in message.tool_calls or [] %}CALL {{ call.function.name }} {{ call.function.arguments | tojson }}"
+    "{% endfor %}{% if message.role == 'tool' %} FOR {{ message.tool_call_id }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_renders_tools_gets_them_as_they_are(embedded) -> None:
+    tokenizer = copy.deepcopy(embedded.tokenizer)
+    assert not template_renders_tools(tokenizer)  # SmolLM2's own template: the default rendering
+    tokenizer.chat_template = TOOL_TEMPLATE
+    assert template_renders_tools(tokenizer)
+    messages, tools = render_messages(HISTORY, [WEATHER], native=True)
+    text = tokenizer.decode(encode_chat(tokenizer, messages, tools=tools))
+    assert f"TOOLS:{json.dumps(tools[0])}<|im_end|>" in text  # the definitions, as the template lists them
+    assert 'CALL get_weather {"city": "Rome"}CALL get_weather {"city": "Oslo"}' in text
+    assert "<|im_start|>tool\nrain FOR c1<|im_end|>" in text and "snow FOR c2" in text
+    assert "<tool_call>" not in text and "<tool_response>" not in text  # no default rendering on top
