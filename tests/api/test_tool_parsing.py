@@ -10,6 +10,7 @@ from typing import get_args
 
 import jsonschema
 import pytest
+from pydantic import ValidationError
 
 from service.api.errors import APIError
 from service.api.schemas import ChatCompletionRequest, ChatMessage, Tool
@@ -30,7 +31,7 @@ from service.api.tools import (
     template_renders_tools,
     tool_plan,
 )
-from service.config import ToolCallParserName
+from service.config import Settings, ToolCallParserName
 from service.decoding.text import encode_chat
 
 NAMES = frozenset({"get_weather", "add"})
@@ -338,6 +339,9 @@ def test_template_detection() -> None:
 
 def test_the_setting_names_every_registered_parser() -> None:
     assert set(get_args(ToolCallParserName)) == set(TOOL_CALL_PARSERS)
+    assert Settings().tool_call_parser == "hermes"
+    with pytest.raises(ValidationError, match="tool_call_parser"):
+        Settings(tool_call_parser="mistral")  # not registered: the server refuses to start
 
 
 def _plan(**fields: object):
