@@ -187,7 +187,54 @@ class NamedToolChoice(_Request):
     function: FunctionName
 
 
+def _message_shapes(schema: dict[str, Any]) -> None:
+    """The per-role rules of `_fields_of_the_role` in the OpenAPI document too (OpenAI's spec has one message
+    type per role), so that clients and generated requests see which fields each role needs."""
+    part = {
+        "type": "object",
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        "required": ["type", "text"],
+    }
+    text = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
+    schema["properties"].pop("function_call", None)  # the legacy field is refused: not documented
+    schema["anyOf"] = [
+        {
+            "properties": {
+                "role": {"enum": ["system", "developer", "user"]},
+                "content": text,
+                "tool_calls": False,
+            },
+            "required": ["role", "content"],
+        },
+        {
+            "properties": {"role": {"const": "assistant"}, "content": text},
+            "required": ["role", "content"],
+        },
+        {
+            "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+            "required": ["role", "tool_calls"],
+        },
+        {
+            "properties": {
+                "role": {"const": "tool"},
+                "content": text,
+                "tool_call_id": {"type": "string"},
+                "tool_calls": False,
+            },
+            "required": ["role", "content", "tool_call_id"],
+        },
+    ]
+
+
 class ChatMessage(_Request):
+    model_config = ConfigDict(
+        strict=True,
+        extra="ignore",
+        allow_inf_nan=False,
+        populate_by_name=True,
+        json_schema_extra=_message_shapes,
+    )
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = Field(
         None, description="text, or a list of text parts (null for an assistant turn with tool_calls)"

@@ -10,8 +10,10 @@ budgeting, token counting in LangChain's and LlamaIndex's vLLM integrations) wor
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from service import __version__
@@ -29,8 +31,28 @@ _ERRORS: dict[int | str, dict] = {
 }
 
 
+def _one_of_prompt_and_messages(schema: dict[str, Any]) -> None:
+    # vLLM documents two request types; one body with this rule says the same.
+    chat_only = ("messages", "tools", "add_generation_prompt", "continue_final_message")
+    schema["oneOf"] = [
+        {
+            "required": ["prompt"],
+            "properties": {"prompt": {"type": "string"}, **dict.fromkeys(chat_only, False)},
+        },
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": False}},
+    ]
+
+
 class TokenizeRequest(_Request):
     """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one body: `prompt` or `messages`."""
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="ignore",
+        allow_inf_nan=False,
+        populate_by_name=True,
+        json_schema_extra=_one_of_prompt_and_messages,
+    )
 
     model: str | None = Field(None, description="the served model id (default: the one served)")
     prompt: str | None = Field(None, description="text to tokenize (or send `messages`)")
@@ -55,8 +77,11 @@ class TokenizeRequest(_Request):
             raise ValueError("send exactly one of prompt and messages")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools go with messages, not with prompt")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt: false")
+        if self.continue_final_message:
+            # As vLLM: only an explicit add_generation_prompt: true contradicts it (the default gives way).
+            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
+                raise ValueError("continue_final_message needs add_generation_prompt: false")
+            self.add_generation_prompt = False
         return self
 
 
