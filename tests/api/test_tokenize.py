@@ -59,6 +59,16 @@ def test_tokenize_messages_counts_the_chat_prompt_exactly(api_server: Server) ->
     assert without_prompt["count"] < tokenized["count"]
 
 
+def test_tokenize_messages_continuing_the_last_one(api_server: Server) -> None:
+    messages = [*CHAT, {"role": "assistant", "content": "General Kenobi"}]
+    with api_server.client() as http:
+        tokens = http.post("/tokenize", json={"messages": messages, "continue_final_message": True}).json()
+        text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+        both = {"messages": messages, "continue_final_message": True, "add_generation_prompt": True}
+        assert_openai_error(http.post("/tokenize", json=both), 400)
+    assert text.endswith("<|im_start|>assistant\nGeneral Kenobi")  # left open, for the model to go on
+
+
 BAD = [
     ("both-inputs", "/tokenize", {"prompt": "x", "messages": CHAT}, 400, None),
     ("no-input", "/tokenize", {"model": MODEL}, 400, None),
