@@ -227,13 +227,8 @@ def _message_shapes(schema: dict[str, Any]) -> None:
 
 
 class ChatMessage(_Request):
-    model_config = ConfigDict(
-        strict=True,
-        extra="ignore",
-        allow_inf_nan=False,
-        populate_by_name=True,
-        json_schema_extra=_message_shapes,
-    )
+    # merged with the base class's config (strict, extra="ignore", ...)
+    model_config = ConfigDict(json_schema_extra=_message_shapes)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = Field(

@@ -46,13 +46,8 @@ def _one_of_prompt_and_messages(schema: dict[str, Any]) -> None:
 class TokenizeRequest(_Request):
     """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one body: `prompt` or `messages`."""
 
-    model_config = ConfigDict(
-        strict=True,
-        extra="ignore",
-        allow_inf_nan=False,
-        populate_by_name=True,
-        json_schema_extra=_one_of_prompt_and_messages,
-    )
+    # merged with the base class's config (strict, extra="ignore", ...)
+    model_config = ConfigDict(json_schema_extra=_one_of_prompt_and_messages)
 
     model: str | None = Field(None, description="the served model id (default: the one served)")
     prompt: str | None = Field(None, description="text to tokenize (or send `messages`)")
