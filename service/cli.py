@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import get_args
 
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
@@ -66,7 +67,7 @@ _SETTING_FLAGS = (
     "model", "draft_model", "draft_head", "dtype", "device", "cache_dir", "redis_url", "ocm_path", "method", "drafter",
     "num_speculative_tokens", "tau", "lambda_", "ngram_min", "ngram_max", "host", "port", "api_keys",
     "served_model_name", "torch_threads", "max_queue", "max_batch_size", "max_batched_tokens", "max_tokens_cap", "default_max_tokens",
-    "default_temperature", "request_timeout_s", "max_body_bytes", "shutdown_grace_s",
+    "default_temperature", "request_timeout_s", "max_body_bytes", "shutdown_grace_s", "tool_call_parser",
 )  # fmt: skip
 
 
@@ -493,6 +494,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--torch-threads", type=int, help="torch intra-op threads")
     g.add_argument("--log-level", choices=LOG_LEVELS, help="default: CSD_LOG_LEVEL, or info")
+    from service.config import ToolCallParserName
+
+    g.add_argument(
+        "--tool-call-parser",
+        choices=list(get_args(ToolCallParserName)),
+        help="how tool_choice 'auto' reads tool calls from the model's text (default: hermes)",
+    )
     _add_model_options(srv)
     _add_speculation_options(srv)
     srv.set_defaults(func=cmd_serve)

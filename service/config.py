@@ -13,6 +13,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from service.decoding.paths import default_cache_dir
 from service.decoding.types import Method, SpeculativeConfig
 
+ToolCallParserName = Literal["hermes"]
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CSD_", extra="ignore", populate_by_name=True)
@@ -67,6 +69,11 @@ class Settings(BaseSettings):
     # NoDecode: CSD_API_KEYS is a comma-separated list, not JSON (split by _split_keys below).
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="accepted Bearer keys; empty: no auth"
+    )
+    # The names of service.api.tools.TOOL_CALL_PARSERS (tests/api/test_tool_parsing.py checks they agree;
+    # the registry itself lives with the API, which the core-only `csd generate` must not import).
+    tool_call_parser: ToolCallParserName = Field(
+        "hermes", description="how tool_choice 'auto' reads tool calls from the model's text"
     )
     max_tokens_cap: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1)

@@ -6,11 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
 from service.api.errors import APIError, bad_request, unsupported
-from service.api.schemas import ChatCompletionRequest, CompletionRequest, SpeculativeOptions
+from service.api.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SpeculativeOptions,
+    Tool,
+)
+from service.api.tools import ToolPlan, render_messages, template_renders_tools
 from service.api.worker import GenerationPlan
 from service.config import Settings
 from service.decoding import (
@@ -79,7 +88,7 @@ def speculative_config(
     return spec, drafter
 
 
-def _check_text(text: str, param: str) -> None:
+def check_text(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -109,30 +118,55 @@ def _completion_prompts(body: CompletionRequest, vocab_size: int) -> list[str | 
         if not p:
             raise bad_request("prompt must not be empty", param=param)
         if isinstance(p, str):
-            _check_text(p, param)
+            check_text(p, param)
         elif any(not 0 <= t < vocab_size for t in p):
             raise bad_request(f"token ids must be in [0, {vocab_size}) for this model", param=param)
     return prompts
 
 
-def _chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    messages = []
-    for i, message in enumerate(body.messages):
-        text = message.text
-        _check_text(text, f"messages.{i}.content")
-        # Chat templates know "system"; OpenAI's newer "developer" role means the same thing.
-        role = "system" if message.role == "developer" else message.role
-        messages.append({"role": role, "content": text})
-    return messages
-
-
-def _encode_chat(runtime: Runtime, messages: list[dict[str, str]]) -> list[int]:
+def _encode_chat(
+    runtime: Runtime,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
     try:
-        return encode_chat(runtime.target.tokenizer, messages)
+        return encode_chat(
+            runtime.target.tokenizer,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
     except DecodingError:
         raise
     except Exception as exc:  # a chat template may refuse a conversation (jinja raises its own errors)
         raise DecodingError(f"the model's chat template refused these messages: {exc}") from exc
+
+
+async def encode_messages(
+    runtime: Runtime,
+    messages: list[ChatMessage],
+    tools: Sequence[Tool] | None = None,
+    *,
+    parallel_tool_calls: bool = True,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """A conversation's prompt ids, exactly as a chat completion renders it (also for /tokenize). `tools`:
+    the definitions the model is shown (through the template if it renders them, else `tools`' default)."""
+    for i, message in enumerate(messages):
+        check_text(message.text, f"messages.{i}.content")
+    native = template_renders_tools(runtime.target.tokenizer)
+    rendered, template_tools = render_messages(messages, tools, native=native, parallel=parallel_tool_calls)
+    try:
+        # Rendering and tokenising a long conversation takes a while: off the event loop.
+        return await run_in_threadpool(
+            _encode_chat, runtime, rendered, template_tools, add_generation_prompt, continue_final_message
+        )
+    except DecodingError as exc:
+        raise bad_request(str(exc), param="messages") from None
 
 
 def _sampling(
@@ -309,15 +343,26 @@ async def plan_completion(
     return plans
 
 
-async def plan_chat(body: ChatCompletionRequest, settings: Settings, runtime: Runtime) -> GenerationPlan:
+async def plan_chat(
+    body: ChatCompletionRequest, settings: Settings, runtime: Runtime, tools: ToolPlan | None = None
+) -> GenerationPlan:
+    """`tools`: what `tools.tool_plan(body)` made of the request's tool fields (None: plain text)."""
     check_request(body, settings, runtime)
-    messages = _chat_messages(body)
     spec, drafter = speculative_config(settings, body.speculative, runtime)
     constraint = await _constraint(body, runtime)
-    try:
-        ids = await run_in_threadpool(_encode_chat, runtime, messages)
-    except DecodingError as exc:
-        raise bad_request(str(exc), param="messages") from None
+    ids = await encode_messages(
+        runtime,
+        body.messages,
+        tools.tools if tools else None,
+        parallel_tool_calls=tools.parallel if tools else True,
+    )
+    schema = tools.constraint() if tools else None
+    if schema is not None:  # tool_choice required or a named function: decoding enforces the JSON
+        constraint = Constraint(ConstraintKind.JSON_SCHEMA, schema)
+        try:
+            await run_in_threadpool(runtime.target.grammar.check, constraint)
+        except DecodingError as exc:
+            raise bad_request(f"a tool's parameters cannot be enforced: {exc}", param="tools") from None
     return _plan(body, ids, spec, drafter, settings, runtime, constraint)
 
 

@@ -30,13 +30,16 @@ from service.api.schemas import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCallDelta,
     ProvenanceToken,
     SpeculativeStats,
     SpeculativeTokens,
     TokenLogprob,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from service.api.tools import CallStart, TextDelta, ToolPlan, collect
 from service.api.worker import DoneEvent, GenerationPlan, PromptEvent, StepEvent
 from service.decoding import GenerationStats
 from service.decoding.types import EmittedToken, combined_stats
@@ -203,6 +206,16 @@ class Formatter:
     def finish_chunk(self, index: int, finish_reason: str, stats: GenerationStats) -> dict:
         raise NotImplementedError
 
+    def step_chunks(self, event: StepEvent) -> list[dict]:
+        """What one round sends: usually its one chunk; tool calls may need more (OpenAI sends a call's
+        name and its arguments as two deltas)."""
+        chunk = self.step_chunk(event)
+        return [] if chunk is None else [chunk]
+
+    def finish_chunks(self, index: int, finish_reason: str, stats: GenerationStats) -> list[dict]:
+        """The chunks that end a choice: held-back text or tool calls, then its finish chunk."""
+        return [self.finish_chunk(index, finish_reason, stats)]
+
     def usage_chunk(self, stats: GenerationStats) -> dict:
         raise NotImplementedError
 
@@ -331,7 +344,17 @@ def _emitted_entries(
 
 
 class ChatFormatter(Formatter):
+    """With `tools` (a ToolPlan), the generated text goes through its tool-call parser: content and
+    tool calls in the response, content and tool-call deltas in the stream (one parser per choice)."""
+
     id_prefix = "chatcmpl"
+
+    def __init__(
+        self, model: str, plan: GenerationPlan, include_usage: bool = False, tools: ToolPlan | None = None
+    ) -> None:
+        super().__init__(model, plan, include_usage)
+        self.tools = tools
+        self._streams = {i: tools.stream() for i in range(plan.n)} if tools is not None else None
 
     def _chunk(self, **kwargs: object) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, **kwargs)  # type: ignore[arg-type]
@@ -347,31 +370,99 @@ class ChatFormatter(Formatter):
     def step_chunk(self, event: StepEvent) -> dict | None:
         if not self._wants_chunk(event):
             return None
-        logprobs = None
-        if event.logprob_texts is not None:
-            logprobs = chat_logprobs(event.tokens, event.logprob_texts)
-        choice = ChatChunkChoice(index=event.index, delta=ChatDelta(content=event.text), logprobs=logprobs)
+        choice = ChatChunkChoice(
+            index=event.index, delta=ChatDelta(content=event.text), logprobs=self._logprobs(event)
+        )
         return self._dump(self._chunk(choices=[choice], speculative=self._step_speculative(event)))
 
+    def _logprobs(self, event: StepEvent) -> ChatLogprobs | None:
+        return chat_logprobs(event.tokens, event.logprob_texts) if event.logprob_texts is not None else None
+
     def finish_chunk(self, index: int, finish_reason: str, stats: GenerationStats) -> dict:
+        if self.tools is not None and self._streams is not None:
+            finish_reason = self.tools.finish_reason(finish_reason, called=self._streams[index].calls > 0)
         choice = ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish_reason)  # type: ignore[arg-type]
         return self._dump(self._chunk(choices=[choice], speculative=speculative_stats(self.plan, stats)))
+
+    def step_chunks(self, event: StepEvent) -> list[dict]:
+        if self._streams is None:
+            return super().step_chunks(event)
+        deltas = self._deltas(event.index, event.text)
+        speculative, logprobs = self._step_speculative(event), self._logprobs(event)
+        if (speculative is not None or logprobs is not None) and not deltas:  # tokens go out as decided
+            deltas = [ChatDelta()]
+        return [
+            # the round's provenance and logprobs ride on its first chunk
+            self._dump(
+                self._chunk(
+                    choices=[
+                        ChatChunkChoice(index=event.index, delta=d, logprobs=logprobs if i == 0 else None)
+                    ],
+                    speculative=speculative if i == 0 else None,
+                )
+            )
+            for i, d in enumerate(deltas)
+        ]
+
+    def finish_chunks(self, index: int, finish_reason: str, stats: GenerationStats) -> list[dict]:
+        if self._streams is None:
+            return super().finish_chunks(index, finish_reason, stats)
+        held = [
+            self._dump(self._chunk(choices=[ChatChunkChoice(index=index, delta=d)]))
+            for d in self._deltas(index, None)
+        ]
+        return [*held, self.finish_chunk(index, finish_reason, stats)]
+
+    def _deltas(self, index: int, text: str | None) -> list[ChatDelta]:
+        """The parser's events for `text` (None: the end) as deltas; consecutive content pieces merge."""
+        assert self._streams is not None
+        stream = self._streams[index]
+        events = stream.close() if text is None else stream.feed(text)
+        deltas: list[ChatDelta] = []
+        for event in events:
+            if isinstance(event, TextDelta):
+                if deltas and deltas[-1].content is not None:
+                    deltas[-1].content += event.text
+                else:
+                    deltas.append(ChatDelta(content=event.text))
+            elif isinstance(event, CallStart):
+                call = ToolCallDelta(
+                    index=event.index,
+                    id=event.id,
+                    type="function",
+                    function=FunctionCallDelta(name=event.name, arguments=""),
+                )
+                deltas.append(ChatDelta(tool_calls=[call]))
+            else:
+                piece = FunctionCallDelta(arguments=event.arguments)
+                deltas.append(ChatDelta(tool_calls=[ToolCallDelta(index=event.index, function=piece)]))
+        return deltas
 
     def usage_chunk(self, stats: GenerationStats) -> dict:
         return self._dump(
             self._chunk(choices=[], usage=usage(stats), speculative=speculative_stats(self.plan, stats))
         )
 
+    def _message(self, choice: ChoiceResult) -> tuple[AssistantMessage, str]:
+        if self.tools is None:
+            return AssistantMessage(content=choice.text), choice.finish_reason
+        stream = self.tools.stream()  # a fresh parser: the whole text at once
+        content, calls = collect([*stream.feed(choice.text), *stream.close()])
+        finish_reason = self.tools.finish_reason(choice.finish_reason, called=bool(calls))
+        return AssistantMessage(content=content, tool_calls=calls or None), finish_reason
+
     def response(self, results: list[PromptResult]) -> dict:
-        choices = [
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(content=choice.text),
-                logprobs=chat_logprobs(choice.tokens, choice.texts) if self.wants_logprobs else None,
-                finish_reason=choice.finish_reason,  # type: ignore[arg-type]
+        choices = []
+        for index, _, choice in self._choices(results):
+            message, finish_reason = self._message(choice)
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=message,
+                    logprobs=chat_logprobs(choice.tokens, choice.texts) if self.wants_logprobs else None,
+                    finish_reason=finish_reason,  # type: ignore[arg-type]
+                )
             )
-            for index, _, choice in self._choices(results)
-        ]
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,

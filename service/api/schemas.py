@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 MethodName = Literal["vanilla", "sd", "lossy", "csd"]
@@ -173,15 +173,122 @@ class TextContentPart(_Request):
     text: str
 
 
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionCallParam(_Request):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object, in a string (OpenAI's shape)")
+
+
+class ToolCallParam(_Request):
+    """A tool call in the history: an earlier assistant turn's `tool_calls` entry."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="a JSON Schema of the arguments object (absent: no arguments)"
+    )
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # OpenAI's rule: the arguments are always a JSON object.
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError(f"must be a JSON Schema of type 'object', got type {value.get('type')!r}")
+        return value
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+def _message_shapes(schema: dict[str, Any]) -> None:
+    """The per-role rules of `_fields_of_the_role` in the OpenAPI document too (OpenAI's spec has one message
+    type per role), so that clients and generated requests see which fields each role needs."""
+    part = {
+        "type": "object",
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        "required": ["type", "text"],
+    }
+    text = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
+    schema["properties"].pop("function_call", None)  # the legacy field is refused: not documented
+    schema["anyOf"] = [
+        {
+            "properties": {
+                "role": {"enum": ["system", "developer", "user"]},
+                "content": text,
+                "tool_calls": False,
+            },
+            "required": ["role", "content"],
+        },
+        {
+            "properties": {"role": {"const": "assistant"}, "content": text},
+            "required": ["role", "content"],
+        },
+        {
+            "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+            "required": ["role", "tool_calls"],
+        },
+        {
+            "properties": {
+                "role": {"const": "tool"},
+                "content": text,
+                "tool_call_id": {"type": "string"},
+                "tool_calls": False,
+            },
+            "required": ["role", "content", "tool_call_id"],
+        },
+    ]
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]] = Field(description="text, or a list of text parts")
+    # merged with the base class's config (strict, extra="ignore", ...)
+    model_config = ConfigDict(json_schema_extra=_message_shapes)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = Field(
+        None, description="text, or a list of text parts (null for an assistant turn with tool_calls)"
+    )
     name: str | None = None
-    tool_calls: list[Any] | None = Field(None, description="not supported")
+    tool_calls: list[ToolCallParam] | None = Field(None, description="assistant: the tools it called")
+    tool_call_id: str | None = Field(None, description="tool: the call this message answers")
+    function_call: Any = Field(None, description="not supported (the legacy API: send tool_calls)")
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.function_call is not None:
+            raise ValueError(
+                "function_call is the legacy function-calling API, not supported: send tool_calls"
+            )
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant turn with tool_calls may omit it)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role} messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
+        return self
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    def _text_parts_only(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
         if isinstance(value, list):
             for part in value:
                 kind = part.get("type")
@@ -192,6 +299,8 @@ class ChatMessage(_Request):
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part["text"] for part in self.content)
@@ -202,25 +311,44 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="the newer name of max_tokens")
     logprobs: bool | None = Field(None, description="return the log-probability of each output token")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives per token")
-    tools: list[Any] | None = Field(None, description="not supported")
-    tool_choice: Any = Field(None, description="not supported (only 'none')")
-    functions: list[Any] | None = Field(None, description="not supported")
-    function_call: Any = Field(None, description="not supported")
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="none | auto (the default with tools) | required | {type: function, function: {name}}",
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call (default true)")
+    functions: list[Any] | None = Field(None, description="not supported (the legacy API: send tools)")
+    function_call: Any = Field(None, description="not supported (the legacy API: send tool_choice)")
     modalities: list[str] | None = Field(None, description="only ['text']")
     audio: Any = Field(None, description="not supported")
     prediction: Any = Field(None, description="not supported")
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _one_tool_choice(cls, value: object) -> object:
+        # Checked by hand: the union's own errors would list every member's complaint, for either shape.
+        expected = '\'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, dict):
+            function = value.get("function")
+            if (
+                value.get("type") == "function"
+                and isinstance(function, dict)
+                and isinstance(function.get("name"), str)
+            ):
+                return NamedToolChoice(type="function", function=FunctionName(name=function["name"]))
+        raise ValueError(f"must be {expected}")
+
     def unsupported_field(self) -> tuple[str, str] | None:
-        for name in ("tools", "functions", "function_call", "audio", "prediction"):
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                return name, f"{name} (the legacy function-calling API; send tools and tool_choice instead)"
+        for name in ("audio", "prediction"):
             if getattr(self, name):
-                return name, f"{name} (tool and function calling, audio, predicted outputs)"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool_choice"
+                return name, f"{name} (audio, predicted outputs)"
         if self.modalities is not None and set(self.modalities) - {"text"}:
             return "modalities", "output modalities other than text"
-        for i, message in enumerate(self.messages):
-            if message.tool_calls:
-                return f"messages.{i}.tool_calls", "tool_calls"
         if (
             self.max_tokens is not None
             and self.max_completion_tokens is not None
@@ -334,10 +462,22 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="a JSON object, in a string")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="null when the turn is only tool calls")
     refusal: None = None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent_if_none)
 
 
 class ChatChoice(BaseModel):
@@ -368,9 +508,25 @@ class CompletionChunk(BaseModel):
     speculative: SpeculativeStats | SpeculativeTokens | None = Field(None, exclude_if=_absent_if_none)
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(None, exclude_if=_absent_if_none)
+    arguments: str | None = Field(None, exclude_if=_absent_if_none)
+
+
+class ToolCallDelta(BaseModel):
+    """OpenAI's streamed tool call: the first delta of a call has id, type and name (arguments ""), the
+    next ones only more of `function.arguments`; `index` says which call a delta belongs to."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=_absent_if_none)
+    type: Literal["function"] | None = Field(None, exclude_if=_absent_if_none)
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_absent_if_none)
     content: str | None = Field(None, exclude_if=_absent_if_none)
+    tool_calls: list[ToolCallDelta] | None = Field(None, exclude_if=_absent_if_none)
 
 
 class ChatChunkChoice(BaseModel):
@@ -395,6 +551,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "csd-serve"
+    max_model_len: int = Field(
+        description="the model's context in tokens, prompt and output together (vLLM's)"
+    )
 
 
 class ModelList(BaseModel):

@@ -158,12 +158,12 @@ async def _stream(worker: EngineWorker, job: Job, formatter: Formatter, first: E
                 for chunk in formatter.prompt_chunks(event):
                     yield sse(chunk)
             elif isinstance(event, StepEvent):
-                chunk = formatter.step_chunk(event)
-                if chunk is not None:
+                for chunk in formatter.step_chunks(event):
                     yield sse(chunk)
             elif isinstance(event, DoneEvent):
                 result.choices[event.index].finish(event)
-                yield sse(formatter.finish_chunk(event.index, event.finish_reason, event.stats))
+                for chunk in formatter.finish_chunks(event.index, event.finish_reason, event.stats):
+                    yield sse(chunk)
                 if result.done:
                     if formatter.include_usage:
                         yield sse(formatter.usage_chunk(request_stats([result])))

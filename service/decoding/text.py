@@ -15,13 +15,27 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict]) -> list[int]:
-    """messages: [{"role": ..., "content": ...}] through the tokenizer's chat template."""
+def encode_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[dict],
+    *,
+    tools: Sequence[dict] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """messages: [{"role": ..., "content": ...}] through the tokenizer's chat template. `tools`: function
+    definitions for templates that render them (OpenAI's {"type": "function", "function": {...}} shape)."""
     if not messages:
         raise DecodingError("messages must not be empty")
     if tokenizer.chat_template is None:
         raise DecodingError("this model has no chat template; use a plain completion prompt")
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        list(messages),
+        tools=list(tools) if tools else None,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=True,
+    )
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
         ids = ids["input_ids"]
     return list(ids)

@@ -34,7 +34,7 @@ BAD_BODIES = [
     ("n-above-batch", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 99}, 400, "n", "invalid_value"),
     ("top-logprobs-too-many", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "invalid_value"),
     ("logprobs-completion-too-many", "/v1/completions", {**COMPLETION, "logprobs": 21}, 400, "logprobs", "invalid_value"),
-    ("tools", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "unsupported_parameter"),
+    ("legacy-functions", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions", "unsupported_parameter"),
     ("response-format-unknown", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format.type", "invalid_value"),
     ("echo-not-a-bool", "/v1/completions", {**COMPLETION, "echo": "yes"}, 400, "echo", "invalid_value"),
     ("best-of", "/v1/completions", {**COMPLETION, "best_of": 3}, 400, "best_of", "unsupported_parameter"),

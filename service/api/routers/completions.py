@@ -20,6 +20,7 @@ from service.api.schemas import (
     ErrorResponse,
 )
 from service.api.streaming import respond
+from service.api.tools import tool_plan
 
 router = APIRouter(prefix="/v1", tags=["generation"], dependencies=[Authorized])
 
@@ -79,6 +80,7 @@ async def create_chat_completion(
     worker: ServingWorker,
 ) -> Response:
     arrived = time.monotonic()
-    plan = await plan_chat(body, state.settings, runtime)
-    formatter = ChatFormatter(runtime.model_id, plan, include_usage=body.include_usage)
+    tools = tool_plan(body, state.settings.tool_call_parser)
+    plan = await plan_chat(body, state.settings, runtime, tools)
+    formatter = ChatFormatter(runtime.model_id, plan, include_usage=body.include_usage, tools=tools)
     return await respond(request, state, worker, [plan], formatter, stream=body.stream, arrived=arrived)

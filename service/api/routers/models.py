@@ -8,13 +8,15 @@ from service.api.deps import Authorized, ServingRuntime, State
 from service.api.errors import APIError
 from service.api.plan import served_names
 from service.api.schemas import ErrorResponse, ModelCard, ModelList
+from service.api.state import ServiceState
+from service.runtime import Runtime
 
 router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Authorized])
 
 
 @router.get("/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
 async def list_models(state: State, runtime: ServingRuntime) -> ModelList:
-    return ModelList(data=[ModelCard(id=runtime.model_id, created=state.created)])
+    return ModelList(data=[_card(state, runtime)])
 
 
 @router.get(
@@ -27,4 +29,8 @@ async def get_model(model: str, state: State, runtime: ServingRuntime) -> ModelC
         raise APIError(
             404, f"the model {model!r} does not exist on this server", param="model", code="model_not_found"
         )
-    return ModelCard(id=runtime.model_id, created=state.created)
+    return _card(state, runtime)
+
+
+def _card(state: ServiceState, runtime: Runtime) -> ModelCard:
+    return ModelCard(id=runtime.model_id, created=state.created, max_model_len=runtime.target.max_context)

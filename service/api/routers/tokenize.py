@@ -1,0 +1,155 @@
+"""vLLM's utility endpoints: POST /tokenize, POST /detokenize and GET /version.
+
+The shapes are vLLM's (`vllm/entrypoints/openai/protocol.py`), so tools written for a vLLM server (prompt
+budgeting, token counting in LangChain's and LlamaIndex's vLLM integrations) work here unchanged:
+- /tokenize takes either `prompt` (text) or `messages` (rendered by the chat template exactly as
+  /v1/chat/completions renders them, `tools` included) and answers {count, max_model_len, tokens,
+  token_strs?};
+- /detokenize takes `tokens` and answers {prompt}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.concurrency import run_in_threadpool
+
+from service import __version__
+from service.api.deps import Authorized, ServingRuntime
+from service.api.errors import bad_request
+from service.api.plan import check_model, check_text, encode_messages
+from service.api.schemas import ChatMessage, ErrorResponse, Tool, _Request
+from service.runtime import Runtime
+
+router = APIRouter(tags=["tokenizer"])
+_ERRORS: dict[int | str, dict] = {
+    400: {"model": ErrorResponse},
+    401: {"model": ErrorResponse},
+    404: {"model": ErrorResponse},
+}
+
+
+def _one_of_prompt_and_messages(schema: dict[str, Any]) -> None:
+    # vLLM documents two request types; one body with this rule says the same.
+    chat_only = ("messages", "tools", "add_generation_prompt", "continue_final_message")
+    schema["oneOf"] = [
+        {
+            "required": ["prompt"],
+            "properties": {"prompt": {"type": "string"}, **dict.fromkeys(chat_only, False)},
+        },
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": False}},
+    ]
+
+
+class TokenizeRequest(_Request):
+    """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one body: `prompt` or `messages`."""
+
+    # merged with the base class's config (strict, extra="ignore", ...)
+    model_config = ConfigDict(json_schema_extra=_one_of_prompt_and_messages)
+
+    model: str | None = Field(None, description="the served model id (default: the one served)")
+    prompt: str | None = Field(None, description="text to tokenize (or send `messages`)")
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="a conversation, rendered by the chat template"
+    )
+    tools: list[Tool] | None = Field(None, description="with `messages`: tool definitions, as in chat")
+    add_special_tokens: bool | None = Field(
+        None,
+        description="add the tokenizer's special tokens (BOS, ...); default: true for `prompt`, false for "
+        "`messages` (the chat template adds its own)",
+    )
+    add_generation_prompt: bool = Field(True, description="with `messages`: end with the assistant header")
+    continue_final_message: bool = Field(
+        False, description="with `messages`: leave the last message open, for the model to continue"
+    )
+    return_token_strs: bool = Field(False, description="also return each token's string")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go with messages, not with prompt")
+        if self.continue_final_message:
+            # As vLLM: only an explicit add_generation_prompt: true contradicts it (the default gives way).
+            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
+                raise ValueError("continue_final_message needs add_generation_prompt: false")
+            self.add_generation_prompt = False
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = Field(None, exclude_if=lambda value: value is None)
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = Field(None, description="the served model id (default: the one served)")
+    tokens: list[int] = Field(description="token ids to turn back into text")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+def _check_model(name: str | None, runtime: Runtime) -> None:
+    if name is not None:
+        check_model(name, runtime)
+
+
+def _tokenize_prompt(runtime: Runtime, prompt: str, add_special_tokens: bool) -> list[int]:
+    return list(runtime.target.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, dependencies=[Authorized])
+async def tokenize(body: TokenizeRequest, runtime: ServingRuntime) -> TokenizeResponse:
+    _check_model(body.model, runtime)
+    tokenizer = runtime.target.tokenizer
+    if body.prompt is not None:
+        check_text(body.prompt, "prompt")
+        ids = await run_in_threadpool(
+            _tokenize_prompt, runtime, body.prompt, body.add_special_tokens is not False
+        )
+    else:
+        assert body.messages is not None
+        ids = await encode_messages(
+            runtime,
+            body.messages,
+            body.tools,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+        )
+        if body.add_special_tokens:
+            ids = tokenizer.build_inputs_with_special_tokens(ids)
+    strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return TokenizeResponse(
+        count=len(ids), max_model_len=runtime.target.max_context, tokens=ids, token_strs=strs
+    )
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS, dependencies=[Authorized])
+async def detokenize(body: DetokenizeRequest, runtime: ServingRuntime) -> DetokenizeResponse:
+    _check_model(body.model, runtime)
+    tokenizer = runtime.target.tokenizer
+    vocab = len(tokenizer)  # added tokens included: ids past vocab_size can still be valid
+    for i, token in enumerate(body.tokens):
+        if not 0 <= token < vocab:
+            raise bad_request(
+                f"tokens.{i} is {token}, outside this model's vocabulary (0 to {vocab - 1})",
+                param=f"tokens.{i}",
+            )
+    text = await run_in_threadpool(tokenizer.decode, body.tokens)
+    return DetokenizeResponse(prompt=text)
+
+
+@router.get("/version", response_model=VersionResponse)
+async def version() -> VersionResponse:
+    return VersionResponse(version=__version__)
