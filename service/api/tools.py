@@ -114,10 +114,13 @@ def tool_plan(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
     if choice == "none":
         return None
     forced = choice == "required" or isinstance(choice, NamedToolChoice)
-    if forced and body.response_format and body.response_format.get("type", "text") != "text":
+    formatted = body.structured_outputs is not None or (
+        body.response_format is not None and body.response_format.type != "text"
+    )
+    if forced and formatted:
         raise bad_request(
             "tool_choice required or a named function constrains the output already: it cannot go with a "
-            "response_format",
+            "response_format or structured_outputs",
             param="tool_choice",
         )
     parallel = body.parallel_tool_calls is not False

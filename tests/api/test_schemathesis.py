@@ -31,6 +31,7 @@ OPERATIONS = [
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
     ("GET", "/version"),
+    ("GET", "/tokenizer_info"),
     ("GET", "/health"),
     ("GET", "/ready"),
     ("GET", "/metrics"),

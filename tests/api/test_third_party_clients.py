@@ -1,5 +1,6 @@
 """Third-party clients people point at OpenAI-compatible servers, unchanged, against a real server:
-LangChain's `ChatOpenAI` (structured output, tool binding) and instructor (JSON-schema and tools modes)."""
+LangChain's `ChatOpenAI` (structured output; tool binding is in test_tools.py), instructor (JSON-schema and tools
+modes) and lm-eval (loglikelihood through local-completions)."""
 
 from __future__ import annotations
 
@@ -61,24 +62,22 @@ def test_instructor_json_schema_mode(api_server: Server, model_name: str) -> Non
     assert isinstance(city, City) and city.name
 
 
-def test_lm_eval_local_completions_loglikelihood(api_server: Server, model_name: str, tmp_path) -> None:
-    """lm-eval's `local-completions` model, as an evaluation harness drives it: token-id prompts in
-    batches, `echo` with `logprobs: 1` and `max_tokens: 1`, context length from its own tokenizer."""
+def test_lm_eval_local_completions_loglikelihood(api_server: Server, model_name: str) -> None:
+    """lm-eval's `local-completions` model, as an evaluation harness drives it: it finds the server's
+    tokenizer endpoints by itself (/tokenizer_info, /tokenize, /detokenize: no local tokenizer), then sends
+    token-id prompts in batches with `echo`, `logprobs: 1` and `max_tokens: 1`."""
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    from service.decoding.models import load_tokenizer_for_display
-
-    load_tokenizer_for_display("embedded").save_pretrained(tmp_path / "tokenizer")
     lm = LocalCompletionsAPI(
         base_url=f"{api_server.url}/v1/completions",
         model=model_name,
-        tokenizer=str(tmp_path / "tokenizer"),
-        tokenizer_backend="huggingface",
         batch_size=2,
         max_retries=1,
+        auth_token=API_KEYS[0],
         header={"Authorization": f"Bearer {API_KEYS[0]}"},
     )
+    assert lm.tokenizer_backend == "remote"
     pairs = [
         ("The capital of France is", " Paris"),
         ("The capital of France is", " a banana"),
@@ -90,3 +89,22 @@ def test_lm_eval_local_completions_loglikelihood(api_server: Server, model_name:
     assert len(results) == 4 and all(isinstance(lp, float) and lp < 0 for lp, _ in results)
     assert results[0][0] > results[1][0] and results[2][0] > results[3][0]
     assert results[0][1] is True  # " Paris" is the greedy continuation: lm-eval's is_greedy
+
+
+def test_instructor_default_tools_mode(api_server: Server, model_name: str) -> None:
+    """instructor's default: a named tool_choice whose arguments the server enforces by its schema."""
+    import instructor
+    import openai
+
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS[0], max_retries=0)
+    )
+    assert client.mode is instructor.Mode.TOOLS
+    city = client.chat.completions.create(
+        model=model_name,
+        response_model=City,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=64,
+        max_retries=0,
+    )
+    assert isinstance(city, City) and city.name

@@ -140,3 +140,13 @@ def test_request_id_on_streams_and_on_errors(api_server: Server) -> None:
     client = openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS[0], max_retries=0)
     raw = client.models.with_raw_response.list(extra_headers={"x-request-id": "c-1"})
     assert raw.headers["x-request-id"] == "c-1"
+
+
+def test_tokenizer_info_names_the_special_tokens_and_the_template(api_server: Server) -> None:
+    with api_server.client() as http:
+        info = http.get("/tokenizer_info").json()
+        eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert info["eos_token"] == "<|im_end|>" and len(eos["tokens"]) == 1  # one token: lm-eval's eot id
+    assert "<|im_start|>" in info["chat_template"]
+    assert info["model_max_length"] == 8192 and info["vocab_size"] == 49152
+    assert httpx.get(f"{api_server.url}/tokenizer_info").status_code == 401  # behind the key, like /tokenize

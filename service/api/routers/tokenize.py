@@ -1,11 +1,13 @@
-"""vLLM's utility endpoints: POST /tokenize, POST /detokenize and GET /version.
+"""vLLM's utility endpoints: POST /tokenize, POST /detokenize, GET /tokenizer_info and GET /version.
 
 The shapes are vLLM's (`vllm/entrypoints/openai/protocol.py`), so tools written for a vLLM server (prompt
 budgeting, token counting in LangChain's and LlamaIndex's vLLM integrations) work here unchanged:
 - /tokenize takes either `prompt` (text) or `messages` (rendered by the chat template exactly as
   /v1/chat/completions renders them, `tools` included) and answers {count, max_model_len, tokens,
   token_strs?};
-- /detokenize takes `tokens` and answers {prompt}.
+- /detokenize takes `tokens` and answers {prompt};
+- /tokenizer_info answers the tokenizer's special tokens, chat template and length: with /tokenize and
+  /detokenize, what lm-eval's "remote" tokenizer needs, so an evaluation harness needs no local copy.
 """
 
 from __future__ import annotations
@@ -153,3 +155,34 @@ async def detokenize(body: DetokenizeRequest, runtime: ServingRuntime) -> Detoke
 @router.get("/version", response_model=VersionResponse)
 async def version() -> VersionResponse:
     return VersionResponse(version=__version__)
+
+
+class TokenizerInfoResponse(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    model_max_length: int = Field(description="the served context length")
+    vocab_size: int
+
+
+@router.get(
+    "/tokenizer_info", response_model=TokenizerInfoResponse, responses=_ERRORS, dependencies=[Authorized]
+)
+async def tokenizer_info(runtime: ServingRuntime) -> TokenizerInfoResponse:
+    tokenizer = runtime.target.tokenizer
+    template = tokenizer.chat_template
+    return TokenizerInfoResponse(
+        tokenizer_class=type(tokenizer).__name__,
+        eos_token=tokenizer.eos_token,
+        bos_token=tokenizer.bos_token,
+        pad_token=tokenizer.pad_token,
+        unk_token=tokenizer.unk_token,
+        chat_template=template if isinstance(template, str) else None,
+        model_max_length=runtime.target.max_context,
+        vocab_size=runtime.target.vocab_size,
+    )
