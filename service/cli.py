@@ -22,6 +22,7 @@ from pydantic_settings import SettingsError
 
 from ocm_store.base import OCMStoreError
 from service.decoding.types import DecodingError, Method, SamplingParams
+from service.log_format import configure_root
 
 EXIT_USAGE = 2
 
@@ -141,7 +142,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     sampling = _sampling_from_args(args, settings)  # validate before the slow model load
     spec = settings.speculative_config()
-    runtime = _build_runtime(args)
+    # One generation: only the single-row costs matter, and none when the method does not speculate.
+    runtime = _build_runtime(
+        args, max_batch_size=1, adaptive_speculation=settings.adaptive_speculation and spec.speculates
+    )
     from service.decoding import run_alone
     from service.decoding.text import encode_chat, encode_prompt
 
@@ -196,6 +200,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"drafted {stats['draft_tokens']}), finish: {generation.finish_reason}",
                 file=sys.stderr,
             )
+        # The answer is out; a cost measurement that ran out of its start budget finishes now, so the next
+        # run finds it in the cache.
+        while runtime.refine_costs is not None and runtime.refine_costs():
+            pass
     finally:
         runtime.close()
     return 0
@@ -523,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     if log_level.lower() not in LOG_LEVELS:
         print(f"csd: error: CSD_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_root(log_level)
     args = build_parser().parse_args(argv)
     if getattr(args, "lambda_", None) is not None and math.isnan(args.lambda_):
         print("csd: error: lambda must be a number >= 0", file=sys.stderr)

@@ -17,6 +17,7 @@ import uvicorn
 
 from service.api.app import create_app
 from service.config import Settings
+from service.log_format import uvicorn_log_config
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -91,9 +92,12 @@ def serve(settings: Settings, log_level: str = "info", sock: socket.socket | Non
             server.should_exit = True
 
     app = create_app(settings, on_fatal=on_fatal)
+    host, port = sock.getsockname()[:2]
+    app.state.csd.address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(
         app,
         log_level=log_level,
+        log_config=uvicorn_log_config(),
         lifespan="on",
         timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
         server_header=False,

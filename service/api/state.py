@@ -44,6 +44,9 @@ class ServiceState:
         self.worker: EngineWorker | None = None
         self.on_fatal = on_fatal
         self.created = int(time.time())
+        self.started = time.monotonic()
+        self.address: str | None = None  # where clients reach us, set by `serve` once the socket is bound
+        self._announced_ready = False
         self.load_error: str | None = None
         self.shutting_down = False
         self.last_forward_ok: float | None = None  # time.monotonic() of the last successful target forward
@@ -97,6 +100,7 @@ class ServiceState:
             self._forward_ok,
             max_batch_size=runtime.settings.max_batch_size,  # 1 when the model cannot be batched
             max_batched_tokens=settings.max_batched_tokens,
+            idle_work=runtime.refine_costs,
         )
         self.worker.start()
         log.info("model %s loaded; probing", runtime.model_id)
@@ -169,6 +173,17 @@ class ServiceState:
         except asyncio.TimeoutError:
             return f"the probe generation did not finish within {self.settings.ready_probe_timeout_s}s"
 
+    def _announce_ready(self, runtime: Runtime) -> None:
+        """One line an operator (or a script) can wait for: the model answers, and where."""
+        if not self._announced_ready:
+            self._announced_ready = True
+            log.info(
+                "ready: serving %s on %s (%.1f s after start)",
+                runtime.model_id,
+                self.address or f"{self.settings.host}:{self.settings.port}",
+                time.monotonic() - self.started,
+            )
+
     async def _probe(self) -> str | None:
         runtime, worker = self.runtime, self.worker
         assert runtime is not None and worker is not None
@@ -190,6 +205,7 @@ class ServiceState:
                     event = await job.next_event()
                     if isinstance(event, DoneEvent):
                         self.probe_error = None
+                        self._announce_ready(runtime)
                         return None
                     if isinstance(event, ErrorEvent):
                         raise RuntimeError(event.error.message)

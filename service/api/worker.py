@@ -147,8 +147,12 @@ class EngineWorker:
         on_forward_ok: Callable[[], None] = lambda: None,
         max_batch_size: int = 1,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
+        idle_work: Callable[[], bool] | None = None,
     ) -> None:
         self.engine = engine
+        # model work that may run only while no request does (the rest of a cost measurement): one slice
+        # per call, True while more is left. On this thread, so it never races a request's forward.
+        self._idle_work = idle_work
         self.metrics = metrics
         self.max_queue = max_queue
         self.max_batch_size = max_batch_size
@@ -276,7 +280,19 @@ class EngineWorker:
         False when the worker must stop."""
         with self._lock:
             while not self._waiting and not self._active and not self._stopping:
-                self._lock.wait()
+                if self._idle_work is None:
+                    self._lock.wait()
+                    continue
+                self._lock.release()  # submit() must not wait for the slice
+                try:
+                    more = self._idle_work()
+                except Exception:
+                    log.exception("idle work failed; dropping it")
+                    more = False
+                finally:
+                    self._lock.acquire()
+                if not more:
+                    self._idle_work = None
             if self._stopping and not self._active:
                 return False
             taken: list[Job] = []
