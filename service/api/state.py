@@ -114,6 +114,22 @@ class ServiceState:
             log.info("shutting down: refusing new requests, draining running ones")
         self.shutting_down = True
 
+    def end_generations(self) -> None:
+        """The shutdown grace is over: every request still running gets a 503 now (a stream its error event
+        and [DONE]), so its connection closes cleanly instead of being cancelled mid-write by uvicorn."""
+        if self.worker is None:
+            return
+        error = APIError(
+            503,
+            f"the server is shutting down and its shutdown grace ({self.settings.shutdown_grace_s:g}s) ended "
+            "before this generation finished; retry on another replica",
+            type=UNAVAILABLE,
+            code="shutting_down",
+        )
+        ended = self.worker.end_all(error)
+        if ended:
+            log.warning("shutdown grace ended: stopped %d running or waiting request(s) with a 503", ended)
+
     async def stop(self) -> None:
         self.begin_shutdown()
         if self._probe_task is not None and not self._probe_task.done():

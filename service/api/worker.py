@@ -211,6 +211,18 @@ class EngineWorker:
         ahead = max(1, in_system - self.max_batch_size - self.max_queue + 1)
         return int(min(60, max(1, math.ceil(self._mean_job_seconds * ahead / self.max_batch_size))))
 
+    def end_all(self, error: APIError) -> int:
+        """Answer every waiting and running job with `error` now (from the event loop, without waiting for
+        the round in progress) and stop them; the worker drops them between rounds. Returns how many."""
+        with self._lock:
+            jobs = list(self._waiting) + [a.job for a in list(self._active)]
+            self._waiting.clear()
+        for job in jobs:
+            job.cancel_reason = "shutdown"
+            job._cancelled.set()
+            job._deliver(ErrorEvent(error))
+        return len(jobs)
+
     def stop(self, timeout: float = 5.0) -> None:
         """Refuse new work, cancel what waits and what runs, and wait for the thread."""
         with self._lock:

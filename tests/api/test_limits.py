@@ -104,3 +104,38 @@ def test_sigterm_drains_running_requests_then_exits(tmp_path: Path) -> None:
     with pytest.raises(httpx.TransportError):  # and nobody listens any more
         httpx.get(f"{server.url}/health", timeout=5)
     assert "shutting down" in server.log()
+
+
+def test_streams_still_running_when_the_grace_ends_get_an_error_event_and_done(tmp_path: Path) -> None:
+    """Issue 13, finding 3: a stream that outlives the shutdown grace ends with an OpenAI error event
+    (503 shutting_down) and [DONE], a non-streamed request with a 503 body; the log has no traceback."""
+    grace = 2
+    server = start_server(tmp_path, "--shutdown-grace", str(grace), "--max-tokens-cap", "2048")
+    answers: dict[str, httpx.Response] = {}
+
+    def collect() -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            answers["json"] = http.post("/v1/completions", json=LONG)
+
+    with (
+        httpx.Client(base_url=server.url, timeout=120) as http,
+        http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
+    ):
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # the stream runs
+        other = threading.Thread(target=collect)
+        other.start()
+        running = lambda: httpx.get(f"{server.url}/ready", timeout=10).json()["requests"]["running"]  # noqa: E731
+        assert wait_until(lambda: running() == 2, 60)
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+        other.join(60)
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    error = json.loads(rest[-2].removeprefix("data: "))
+    assert set(error) == {"error"} and error["error"]["code"] == "shutting_down", error
+    assert "grace" in error["error"]["message"]
+    assert_openai_error(answers["json"], 503, code="shutting_down")
+    assert server.proc.wait(60) in (0, -signal.SIGTERM)
+    log = server.log()
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    assert "Cancel" not in log  # uvicorn's 'Cancel N running task(s)' never had to happen
