@@ -67,7 +67,7 @@ _SETTING_FLAGS = (
     "model", "draft_model", "draft_head", "dtype", "device", "cache_dir", "redis_url", "ocm_path", "method", "drafter",
     "num_speculative_tokens", "tau", "lambda_", "ngram_min", "ngram_max", "host", "port", "api_keys",
     "served_model_name", "torch_threads", "max_queue", "max_batch_size", "max_batched_tokens", "max_tokens_cap", "default_max_tokens",
-    "default_temperature", "request_timeout_s", "max_body_bytes", "shutdown_grace_s",
+    "default_temperature", "request_timeout_s", "max_body_bytes", "body_timeout_s", "shutdown_grace_s",
 )  # fmt: skip
 
 
@@ -496,6 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--default-temperature", type=float, help="temperature of requests that send none (0)")
     g.add_argument("--request-timeout", dest="request_timeout_s", type=float, metavar="SECONDS")
     g.add_argument("--max-body-bytes", type=int, help="largest request body; larger gets 413")
+    g.add_argument(
+        "--body-timeout", dest="body_timeout_s", type=float, metavar="SECONDS", help="slower bodies get 408"
+    )
     g.add_argument(
         "--shutdown-grace", dest="shutdown_grace_s", type=float, metavar="SECONDS", help="to drain on SIGTERM"
     )

@@ -51,7 +51,9 @@ def create_app(
         app.include_router(router)
     # add_middleware wraps: the last added runs first, so the metrics middleware sees every response,
     # 413s from the body limit included.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s
+    )
     paths = frozenset(route.path for router in routers for route in router.routes)  # type: ignore[attr-defined]
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics, paths=paths)
     return app
