@@ -133,6 +133,12 @@ class Settings(BaseSettings):
     def ocm_file(self) -> Path:
         return self.ocm_path or self.cache_dir / "ocm.sqlite"
 
+    @property
+    def ocm_spill_dir(self) -> Path:
+        """Where OCM increments that could not reach Redis at shutdown wait for the next start: beside the
+        OCM file, so a server with its own OCM file (a test, a second instance) has its own spill."""
+        return self.ocm_file.parent / "ocm-spill"
+
     def speculative_config(self) -> SpeculativeConfig:
         return SpeculativeConfig(
             method=self.method,

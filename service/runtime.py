@@ -94,6 +94,7 @@ class Runtime:
                 save_interval_s=settings.ocm_save_interval_s,
                 flush_interval_s=settings.ocm_flush_interval_s,
                 refresh_interval_s=settings.ocm_refresh_interval_s,
+                spill_dir=settings.ocm_spill_dir,
             )
         vocab = vocabulary_hash(target.tokenizer)
         target_id = f"{target.name}@{target.revision}"
