@@ -154,7 +154,7 @@ class Generation:
         if draft.tokens:
             self.policy.observe(self.drafter.name, draft.key, len(draft.tokens), verdict.round.num_kept)
         step = self._emit(verdict)
-        self.stats.add_round(verdict.round)
+        self.stats.add_round(step.round)
         self.stats.decode_seconds += seconds
         return step, 1 + verdict.round.num_kept
 
@@ -179,6 +179,7 @@ class Generation:
         for token in verdict.tokens:
             if token.token_id in self.eos_ids:
                 self.finish_reason = "stop"
+                self.stats.num_eos = 1
                 break
             emitted.append(token)
             committed.append(token.token_id)
@@ -200,4 +201,5 @@ class Generation:
         self.tokens.extend(emitted)
         self.text += text
         self.stats.completion_tokens = len(self.tokens)
-        return GenerationStep(emitted, text, verdict.round, self.finish_reason)
+        # statistics count what was emitted, so they equal the provenance of the tokens (GenerationStats)
+        return GenerationStep(emitted, text, verdict.round.emitted(emitted), self.finish_reason)
