@@ -155,6 +155,7 @@ class Generation:
             self.policy.observe(self.drafter.name, draft.key, len(draft.tokens), verdict.round.num_kept)
         step = self._emit(verdict)
         self.stats.add_round(step.round)
+        self.stats.num_rejections += verdict.round.num_recovered  # what verification saw, emitted or not
         self.stats.decode_seconds += seconds
         return step, 1 + verdict.round.num_kept
 
@@ -202,4 +203,5 @@ class Generation:
         self.text += text
         self.stats.completion_tokens = len(self.tokens)
         # statistics count what was emitted, so they equal the provenance of the tokens (GenerationStats)
-        return GenerationStep(emitted, text, verdict.round.emitted(emitted), self.finish_reason)
+        cut = len(emitted) < len(verdict.tokens)
+        return GenerationStep(emitted, text, verdict.round.emitted(emitted, cut), self.finish_reason)

@@ -132,19 +132,24 @@ class RoundStats:
     def num_kept(self) -> int:
         return self.num_accepted + self.num_rescued
 
-    def emitted(self, tokens: Sequence[EmittedToken]) -> RoundStats:
+    def emitted(self, tokens: Sequence[EmittedToken], cut: bool) -> RoundStats:
         """This round's statistics counting only `tokens`, the prefix of its verified tokens that was
-        emitted (an EOS, a stop string or the token budget may cut a round short); drafted stays drafted."""
+        emitted. `cut`: an EOS, a stop string or the token budget ended the round before its last verified
+        token; then only the draft positions it emitted count as drafted (what came after was verified
+        for nothing and says nothing about the drafter)."""
         by = Counter(t.provenance for t in tokens)
         kept = by[Provenance.ACCEPTED] + by[Provenance.RESCUED]  # kept draft tokens come first in a round
+        drafted = min(kept, self.num_draft_tokens) if cut else self.num_draft_tokens
         return RoundStats(
-            num_draft_tokens=self.num_draft_tokens,
+            num_draft_tokens=drafted,
             num_accepted=by[Provenance.ACCEPTED],
             num_rescued=by[Provenance.RESCUED],
             num_recovered=by[Provenance.RECOVERED],
             num_bonus=by[Provenance.BONUS],
-            kept_per_position=[f and i < kept for i, f in enumerate(self.kept_per_position)],
-            accepted_per_position=[f and i < kept for i, f in enumerate(self.accepted_per_position)],
+            kept_per_position=[f and i < kept for i, f in enumerate(self.kept_per_position[:drafted])],
+            accepted_per_position=[
+                f and i < kept for i, f in enumerate(self.accepted_per_position[:drafted])
+            ],
             ocm_seconds=self.ocm_seconds,
         )
 
@@ -157,9 +162,10 @@ class GenerationStats:
     |---|---|
     | completion_tokens | tokens emitted: the provenance list. Not the EOS token that ends a generation (OpenAI's usage does not count it either), nor what a round verified past a stop string or the token budget |
     | num_accepted, num_rescued, num_recovered, num_bonus | emitted tokens of that provenance; with the plain ones (rounds without a draft) they sum to completion_tokens |
-    | num_draft_tokens | draft tokens the target verified, emitted or not: the work speculation cost |
-    | num_drafts | rounds that verified at least one draft token |
+    | num_draft_tokens | draft tokens the target verified; in a round cut short (EOS, stop string, budget) only the draft positions it emitted, so acceptance_rate = num_accepted / num_draft_tokens judges the drafter on what counted |
+    | num_drafts | rounds with at least one draft token counted in num_draft_tokens |
     | target_forwards | decoding rounds, one target forward each, the round that chose EOS included; prefill forwards are not rounds (their time is prefill_seconds) |
+    | num_rejections | draft tokens verification rejected, emitted past or not: the divergence patterns strict calibration records in the OCM |
     | num_eos | 1 when the target chose an EOS token, which ended the generation (decided, never emitted) |
     | tokens_per_forward | (completion_tokens + num_eos) / target_forwards: tokens the rounds decided per forward; exactly 1.0 for vanilla decoding |
     | accepted_per_position, kept_per_position | rounds whose draft token at position i was emitted as accepted / as accepted or rescued |
@@ -175,6 +181,7 @@ class GenerationStats:
     num_recovered: int = 0
     num_bonus: int = 0
     num_eos: int = 0
+    num_rejections: int = 0
     # per draft position i: rounds whose draft token i was accepted (strict, vLLM's definition) / kept
     # (accepted or rescued)
     accepted_per_position: list[int] = field(default_factory=list)
