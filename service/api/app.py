@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from service import __version__
 from service.api.errors import install_error_handlers
 from service.api.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
+from service.api.openapi import install_openapi
 from service.api.routers import completions, health, metrics, models, ocm, playground
 from service.api.state import ServiceState
 from service.config import Settings
@@ -46,6 +47,7 @@ def create_app(
     app = FastAPI(title="csd-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.csd = state
     install_error_handlers(app)
+    install_openapi(app)
     routers = [module.router for module in (completions, models, health, metrics, ocm, playground)]
     for router in routers:
         app.include_router(router)
