@@ -119,8 +119,8 @@ class Runtime:
         self.store.close()
 
 
-# How long a start may spend measuring forward costs before it serves on what it has (the single-row table
-# at least) and refines the rest while idle. Measured: ~1 s for one row of 7 sizes x 5 repeats, 1 thread.
+# How long a start may spend measuring forward costs before it serves on what it has and measures the rest
+# while idle. Measured on a quiet 2-core machine, 1 thread: ~2.4 s for one row of 7 sizes x 5 repeats.
 START_MEASUREMENT_BUDGET_S = 3.0
 
 
@@ -141,13 +141,15 @@ def _draft_policy(settings: Settings, target: LoadedModel) -> tuple[DraftPolicy,
     started = time.monotonic()
     measurement = CostMeasurement(target.model, max_tokens, max_rows=settings.max_batch_size)
     measurement.run(budget_s=START_MEASUREMENT_BUDGET_S)
-    policy = DraftPolicy(measurement.table())
+    # Not even the single row in time (a loaded machine): serve without a table, which verifies every
+    # draft in full, until the background measurement has one.
+    policy = DraftPolicy(measurement.table() if measurement.single_row_measured else None)
     log.info(
-        "measured target forward costs in %.1f s (%d forwards%s), rows x tokens (ms): %s",
+        "measured target forward costs for %.1f s (%d forwards%s), rows x tokens (ms): %s",
         time.monotonic() - started,
         measurement.forwards,
         "" if measurement.done else "; the rest while idle",
-        policy.forward_costs.describe(max_tokens) if policy.forward_costs else "",
+        policy.forward_costs.describe(max_tokens) if policy.forward_costs else "none yet",
     )
 
     def finish() -> None:
@@ -167,6 +169,8 @@ def _draft_policy(settings: Settings, target: LoadedModel) -> tuple[DraftPolicy,
 
     def refine() -> bool:
         if measurement.step():
+            if policy.forward_costs is None and measurement.single_row_measured:
+                policy.set_costs(measurement.table())  # one row is enough to start deciding
             return True
         finish()
         return False

@@ -11,8 +11,9 @@ table came out erratic (one row 40x slower than sixteen rows), so the policy dec
 - sanity: load only ever makes a forward slower, so a cost is replaced by the cheapest cost measured for a
   shape at least as large (more rows, more tokens): the table is monotone in both, and an inflated sample
   cannot make a small shape dearer than a big one;
-- a time budget: `run(budget_s)` stops early, with a usable table as soon as the single row is measured,
-  and `step()` carries on later (the engine worker calls it while it has nothing else to do);
+- a time budget: `run(budget_s)` stops early (a start serves on what it has: the single-row table, or no
+  table at all, which verifies every draft in full), and `step()` carries on later (the engine worker
+  calls it while it has nothing else to do);
 - the result is cached per model, machine and settings (`service.cost_cache`), so a warm start measures
   nothing.
 """
@@ -130,7 +131,8 @@ def summarise(samples: dict[tuple[int, int], list[float]], max_tokens: int) -> F
 
 class CostMeasurement:
     """A measurement that can be run in slices: `step()` does one forward (False once all is measured),
-    `run(budget_s)` steps until done or out of time (but always until the single row is measured)."""
+    `run(budget_s)` steps until done or out of time. `table()` is usable once the single row is measured
+    (`single_row_measured`): what one request needs; batches follow."""
 
     def __init__(
         self,
@@ -164,8 +166,7 @@ class CostMeasurement:
     def run(self, budget_s: float | None = None) -> CostMeasurement:
         started = time.monotonic()
         while self.step():
-            out_of_time = budget_s is not None and time.monotonic() - started > budget_s
-            if out_of_time and self.single_row_measured:
+            if budget_s is not None and time.monotonic() - started > budget_s:
                 break
         return self
 
