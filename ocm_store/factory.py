@@ -16,8 +16,10 @@ def open_store(
     save_interval_s: float = 30.0,
     flush_interval_s: float = 0.1,
     refresh_interval_s: float = 0.5,
+    spill_dir: Path | None = None,
 ) -> OCMStore:
-    """Redis when a URL is given (shared by every replica), else the in-process store persisted to `path`."""
+    """Redis when a URL is given (shared by every replica; what cannot reach it at shutdown is spilled to
+    `spill_dir` and replayed by the next start), else the in-process store persisted to `path`."""
     if redis_url:
         from ocm_store.redis_store import RedisStore  # redis-py is only needed with a URL
 
@@ -26,5 +28,6 @@ def open_store(
             max_patterns=max_patterns,
             flush_interval_s=flush_interval_s,
             refresh_interval_s=refresh_interval_s,
+            spill_dir=spill_dir,
         )
     return InMemoryStore(path=path, save_interval_s=save_interval_s, max_patterns=max_patterns)

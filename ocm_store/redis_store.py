@@ -21,7 +21,10 @@ counted (`dropped_increments`), never silently.
 Faults. Redis unreachable at start: the store works local-only (the buffer is the memory) and reports
 degraded. Lost mid-run: decoding goes on; increments stay buffered up to the bound and are flushed once a
 reconnect (exponential backoff up to `max_backoff_s`) succeeds. Each batch carries (writer id, batch number)
-and the script skips a batch it already applied, so a retry after a lost reply never counts twice. Junk in
+and the script skips a batch it already applied, so a retry after a lost reply never counts twice. Still
+unreachable at shutdown: what is buffered is spilled to `spill_dir` (see `ocm_store.spill`) with those batch
+ids, and the next store opened on that folder replays it before its own increments, so a Redis outage plus a
+restart loses nothing and a replay that is cut short and repeated never counts twice. Junk in
 Redis (a score that is not a whole count, a member that is not "draft:target", a key of the wrong type) is
 skipped and logged, and the status says so; a junk count is overwritten by the next increment of it.
 
@@ -39,6 +42,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis
 from redis.backoff import NoBackoff
@@ -55,6 +59,7 @@ from ocm_store.base import (
     StoreUnavailableError,
 )
 from ocm_store.redaction import Scrubber, mask_url
+from ocm_store.spill import SpilledBatch, read_spills, remove_spills, write_spill
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +83,8 @@ class _Local:
     buffer: dict[Pair, int] = field(default_factory=dict)  # increments not sent yet
     inflight: dict[Pair, int] | None = None  # the batch being sent (kept as-is until Redis confirms it)
     inflight_batch: int = 0
+    inflight_writer: str = ""
+    replay: list[SpilledBatch] = field(default_factory=list)  # spilled by an earlier store, sent first
     buffered: int = 0  # sum of buffer and inflight values
     # change tracking: what we have seen of meta (see redis_scripts)
     seq: int = 0
@@ -89,11 +96,13 @@ class _Local:
 
     def view(self, pattern: Pair) -> int:
         n = self.snapshot.get(pattern, 0) + self.buffer.get(pattern, 0)
+        for batch in self.replay:
+            n += batch.patterns.get(pattern, 0)
         return n + self.inflight.get(pattern, 0) if self.inflight else n
 
     def merged(self) -> dict[Pair, int]:
         out = dict(self.snapshot)
-        for part in (self.inflight or {}, self.buffer):
+        for part in (self.inflight or {}, self.buffer, *(b.patterns for b in self.replay)):
             for p, n in part.items():
                 out[p] = out.get(p, 0) + n
         return out
@@ -114,6 +123,7 @@ class RedisStore(OCMStore):
         connect_timeout_s: float = 1.0,
         command_timeout_s: float = 5.0,
         max_backoff_s: float = 5.0,
+        spill_dir: Path | None = None,
     ) -> None:
         self.url = mask_url(url)  # the only form of the URL this object keeps
         self._scrub = Scrubber(url)
@@ -168,6 +178,11 @@ class RedisStore(OCMStore):
         self._evicted = 0
         self._reconnects = 0
         self._ever_lost = False
+
+        self.spill_dir = spill_dir
+        self._spill_files: list[Path] = []  # loaded spill files, deleted once everything in them is sent
+        if spill_dir is not None:
+            self._load_spill(spill_dir)
 
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -362,11 +377,72 @@ class RedisStore(OCMStore):
             self.flush()
             with self._lock:
                 left = self._buffered_total
-                if left:
+                spilled = self._spill() if left and self.spill_dir is not None else None
+                if left and spilled is None:
                     self._dropped += left
-            if left:
+            if spilled is not None:
+                log.warning(
+                    "OCM store: %d increments could not reach %s; spilled to %s, replayed on the next start",
+                    left,
+                    self.url,
+                    spilled,
+                )
+            elif left:
                 log.warning("OCM store: %d increments could not reach %s and are lost", left, self.url)
             self._client.close()
+
+    # ------------------------------------------------------------ the spill (Redis away at shutdown)
+
+    def _load_spill(self, folder: Path) -> None:
+        files, spilled = read_spills(folder)
+        with self._lock:
+            for ns, batch in spilled:
+                local = self._state(ns)
+                local.replay.append(batch)
+                n = sum(batch.patterns.values())
+                local.buffered += n
+                self._buffered_total += n
+        self._spill_files = files
+        if spilled:
+            log.info(
+                "OCM store: replaying %d increments spilled by an earlier shutdown (%s)",
+                sum(sum(b.patterns.values()) for _ns, b in spilled),
+                ", ".join(str(f) for f in files),
+            )
+
+    def _spill(self) -> Path | None:
+        """Everything still buffered, as batches with their ids (caller holds _lock and _io). Replaces the
+        spill files this store loaded: what they held and was not sent is in the new one."""
+        assert self.spill_dir is not None
+        batches: list[tuple[Namespace, SpilledBatch]] = []
+        for ns, local in self._states.items():
+            batches += [(ns, b) for b in local.replay]
+            if local.inflight:  # may have been applied with its reply lost: same id, Redis decides
+                batches.append(
+                    (ns, SpilledBatch(local.inflight_writer, local.inflight_batch, local.inflight))
+                )
+            if local.buffer:  # never sent: the next number of this writer
+                self._next_batch += 1
+                batches.append((ns, SpilledBatch(self._writer, self._next_batch, dict(local.buffer))))
+        path = write_spill(self.spill_dir, self._writer, batches)
+        if path is not None:
+            remove_spills([f for f in self._spill_files if f != path])
+            self._spill_files = []
+        return path
+
+    def _forget_replayed_spills(self) -> None:
+        """Delete the loaded spill files once every batch in them reached Redis (caller holds _io)."""
+        if not self._spill_files:
+            return
+        with self._lock:
+            pending = any(
+                local.replay or (local.inflight is not None and local.inflight_writer != self._writer)
+                for local in self._states.values()
+            )
+        if not pending:
+            remove_spills(self._spill_files)
+            log.info("OCM store: the spilled increments reached %s", self.url)
+            self._spill_files = []
 
     # ------------------------------------------------------------ local state
 
@@ -482,15 +558,19 @@ class RedisStore(OCMStore):
                 for ns, local in self._states.items():
                     if local.retry_at > now:
                         continue
-                    if local.inflight is None and local.buffer:
+                    if local.inflight is None and local.replay:  # spilled batches first, with their ids
+                        batch = local.replay.pop(0)
+                        local.inflight = batch.patterns
+                        local.inflight_batch, local.inflight_writer = batch.batch, batch.writer
+                    elif local.inflight is None and local.buffer:
                         local.inflight = self._take_batch(local)
                         self._next_batch += 1
-                        local.inflight_batch = self._next_batch
+                        local.inflight_batch, local.inflight_writer = self._next_batch, self._writer
                     if local.inflight is None:
                         continue
                     fields = list(local.inflight)
                     args: list = [
-                        self._writer,
+                        local.inflight_writer,
                         local.inflight_batch,
                         self.max_patterns,
                         self.keep_patterns,
@@ -538,8 +618,9 @@ class RedisStore(OCMStore):
                         log.warning(
                             "OCM store: overwrote %d malformed counts in namespace %s", repaired, ns.key
                         )
-                    more = more or bool(local.buffer)
+                    more = more or bool(local.buffer) or bool(local.replay)
             if not more:
+                self._forget_replayed_spills()
                 return
 
     def _take_batch(self, local: _Local) -> dict[Pair, int]:

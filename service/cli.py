@@ -23,6 +23,7 @@ from pydantic_settings import SettingsError
 
 from ocm_store.base import OCMStoreError
 from service.decoding.types import DecodingError, Method, SamplingParams
+from service.log_format import configure_root
 
 EXIT_USAGE = 2
 
@@ -67,7 +68,8 @@ _SETTING_FLAGS = (
     "model", "draft_model", "draft_head", "dtype", "device", "cache_dir", "redis_url", "ocm_path", "method", "drafter",
     "num_speculative_tokens", "tau", "lambda_", "ngram_min", "ngram_max", "host", "port", "api_keys",
     "served_model_name", "torch_threads", "max_queue", "max_batch_size", "max_batched_tokens", "max_tokens_cap", "default_max_tokens",
-    "default_temperature", "request_timeout_s", "max_body_bytes", "shutdown_grace_s", "tool_call_parser",
+    "default_temperature", "request_timeout_s", "max_body_bytes", "body_timeout_s", "shutdown_grace_s",
+    "tool_call_parser",
 )  # fmt: skip
 
 
@@ -142,7 +144,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     sampling = _sampling_from_args(args, settings)  # validate before the slow model load
     spec = settings.speculative_config()
-    runtime = _build_runtime(args)
+    # One generation: only the single-row costs matter, and none when the method does not speculate.
+    runtime = _build_runtime(
+        args, max_batch_size=1, adaptive_speculation=settings.adaptive_speculation and spec.speculates
+    )
     from service.decoding import run_alone
     from service.decoding.text import encode_chat, encode_prompt
 
@@ -197,6 +202,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"drafted {stats['draft_tokens']}), finish: {generation.finish_reason}",
                 file=sys.stderr,
             )
+        # The answer is out; a cost measurement that ran out of its start budget finishes now, so the next
+        # run finds it in the cache.
+        while runtime.refine_costs is not None and runtime.refine_costs():
+            pass
     finally:
         runtime.close()
     return 0
@@ -490,6 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-timeout", dest="request_timeout_s", type=float, metavar="SECONDS")
     g.add_argument("--max-body-bytes", type=int, help="largest request body; larger gets 413")
     g.add_argument(
+        "--body-timeout", dest="body_timeout_s", type=float, metavar="SECONDS", help="slower bodies get 408"
+    )
+    g.add_argument(
         "--shutdown-grace", dest="shutdown_grace_s", type=float, metavar="SECONDS", help="to drain on SIGTERM"
     )
     g.add_argument("--torch-threads", type=int, help="torch intra-op threads")
@@ -531,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     if log_level.lower() not in LOG_LEVELS:
         print(f"csd: error: CSD_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_root(log_level)
     args = build_parser().parse_args(argv)
     if getattr(args, "lambda_", None) is not None and math.isnan(args.lambda_):
         print("csd: error: lambda must be a number >= 0", file=sys.stderr)

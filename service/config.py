@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     )
     request_timeout_s: float = Field(300.0, gt=0)
     max_body_bytes: int = Field(1_000_000, ge=1024)
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="a request body must arrive in full within this; else 408, connection closed"
+    )
     shutdown_grace_s: float = Field(30.0, ge=0)
     ready_probe_interval_s: float = Field(
         10.0, gt=0, description="/ready trusts a target forward this recent; older: it runs a 1-token probe"
@@ -136,6 +139,12 @@ class Settings(BaseSettings):
     @property
     def ocm_file(self) -> Path:
         return self.ocm_path or self.cache_dir / "ocm.sqlite"
+
+    @property
+    def ocm_spill_dir(self) -> Path:
+        """Where OCM increments that could not reach Redis at shutdown wait for the next start: beside the
+        OCM file, so a server with its own OCM file (a test, a second instance) has its own spill."""
+        return self.ocm_file.parent / "ocm-spill"
 
     def speculative_config(self) -> SpeculativeConfig:
         return SpeculativeConfig(

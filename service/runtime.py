@@ -6,6 +6,8 @@ The CLI and the HTTP app both start from here, so a setting means the same thing
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import torch
 from ocm_store.base import Namespace, OCMStore
 from ocm_store.factory import open_store
 from service.config import Settings
+from service.cost_cache import cost_file, cost_key, load_costs, save_costs
 from service.decoding import (
     CombinedDrafter,
     DecodingError,
@@ -30,7 +33,7 @@ from service.decoding import (
 )
 from service.decoding.batch_kv import supports_batching
 from service.decoding.draft_head import EMBEDDED_HEAD_DIR
-from service.decoding.draft_policy import measure_forward_costs
+from service.decoding.forward_costs import CostMeasurement
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,9 @@ class Runtime:
     store: OCMStore
     namespaces: dict[str, Namespace] = field(default_factory=dict)  # drafter name -> its model pair
     draft: LoadedModel | None = None
+    # one more forward of a cost measurement that ran out of its start-up budget; False once it is done.
+    # The engine worker calls it while it has nothing else to do (it owns the model's thread).
+    refine_costs: Callable[[], bool] | None = None
 
     @property
     def model_id(self) -> str:
@@ -88,6 +94,7 @@ class Runtime:
                 save_interval_s=settings.ocm_save_interval_s,
                 flush_interval_s=settings.ocm_flush_interval_s,
                 refresh_interval_s=settings.ocm_refresh_interval_s,
+                spill_dir=settings.ocm_spill_dir,
             )
         vocab = vocabulary_hash(target.tokenizer)
         target_id = f"{target.name}@{target.revision}"
@@ -102,26 +109,73 @@ class Runtime:
                 settings.model,
             )
             settings = settings.model_copy(update={"max_batch_size": 1})
-        policy = None
+        policy, refine_costs = None, None
         if settings.adaptive_speculation and settings.num_speculative_tokens > 0:
-            # Real batch shapes up to the largest batch: one row at every draft length, batches at doubling
-            # row counts (a few seconds at start on a CPU).
-            k = settings.num_speculative_tokens
-            costs = measure_forward_costs(target.model, k + 1, max_rows=settings.max_batch_size)
-            log.info(
-                "target forward costs (ms), rows x tokens: %s",
-                ", ".join(
-                    f"{rows}x{t}: {costs(rows, t) * 1e3:.1f}"
-                    for rows in costs.by_rows
-                    for t in sorted({1, k + 1})
-                ),
-            )
-            policy = DraftPolicy(costs)
+            policy, refine_costs = _draft_policy(settings, target)
         engine = Engine(target, drafters, memories, policy)
-        return cls(settings, target, engine, store, namespaces, draft)
+        return cls(settings, target, engine, store, namespaces, draft, refine_costs)
 
     def close(self) -> None:
         self.store.close()
+
+
+# How long a start may spend measuring forward costs before it serves on what it has and measures the rest
+# while idle. Measured on a quiet 2-core machine, 1 thread: ~2.4 s for one row of 7 sizes x 5 repeats.
+START_MEASUREMENT_BUDGET_S = 3.0
+
+
+def _draft_policy(settings: Settings, target: LoadedModel) -> tuple[DraftPolicy, Callable[[], bool] | None]:
+    """The policy on the cached cost table, or on a fresh measurement (bounded; the rest in the
+    background). Real batch shapes up to the largest batch: one row at every draft length, batches at
+    doubling row counts."""
+    max_tokens = settings.num_speculative_tokens + 1
+    key = cost_key(target, max_tokens, settings.max_batch_size, settings.pack_cpu_weights)
+    cached = load_costs(settings.cache_dir, key)
+    if cached is not None:
+        log.info(
+            "target forward costs (ms) from the cache %s, rows x tokens: %s",
+            cost_file(settings.cache_dir, key),
+            cached.describe(max_tokens),
+        )
+        return DraftPolicy(cached), None
+    started = time.monotonic()
+    measurement = CostMeasurement(target.model, max_tokens, max_rows=settings.max_batch_size)
+    measurement.run(budget_s=START_MEASUREMENT_BUDGET_S)
+    # Not even the single row in time (a loaded machine): serve without a table, which verifies every
+    # draft in full, until the background measurement has one.
+    policy = DraftPolicy(measurement.table() if measurement.single_row_measured else None)
+    log.info(
+        "measured target forward costs for %.1f s (%d forwards%s), rows x tokens (ms): %s",
+        time.monotonic() - started,
+        measurement.forwards,
+        "" if measurement.done else "; the rest while idle",
+        policy.forward_costs.describe(max_tokens) if policy.forward_costs else "none yet",
+    )
+
+    def finish() -> None:
+        costs = measurement.table()
+        policy.set_costs(costs)
+        if measurement.complete:
+            save_costs(settings.cache_dir, key, costs)
+        log.info(
+            "forward costs complete (%d forwards), rows x tokens (ms): %s",
+            measurement.forwards,
+            costs.describe(max_tokens),
+        )
+
+    if measurement.done:
+        finish()
+        return policy, None
+
+    def refine() -> bool:
+        if measurement.step():
+            if policy.forward_costs is None and measurement.single_row_measured:
+                policy.set_costs(measurement.table())  # one row is enough to start deciding
+            return True
+        finish()
+        return False
+
+    return policy, refine
 
 
 def _load_head(settings: Settings, target: LoadedModel) -> HeadDrafter | None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
 from service.decoding import DecodingError, check_same_vocabulary, load_model
-from service.decoding.models import gguf_cache_folder, load_tokenizer_for_display
+from service.decoding.models import gguf_cache_folder, gguf_content_key, load_tokenizer_for_display
 from service.decoding.paths import default_cache_dir, embedded_gguf_path
 from tests.conftest import WORDS, make_word_model, make_word_tokenizer
 
@@ -41,12 +44,40 @@ def test_second_load_of_the_embedded_gguf_reuses_the_converted_folder(embedded):
     rewritten. (That load_model then reads that folder is the next test.)"""
     folder = gguf_cache_folder(embedded_gguf_path(), default_cache_dir())
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
-    assert str(embedded_gguf_path().resolve()) in (folder / "csd_source.json").read_text()
+    assert json.loads((folder / "csd_source.json").read_text())["key"] == embedded.revision
     assert embedded.revision in folder.name
     before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     tokenizer = load_tokenizer_for_display("embedded")
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
     assert tokenizer.get_vocab() == embedded.tokenizer.get_vocab()
+
+
+def test_a_copy_of_the_gguf_elsewhere_reuses_the_same_converted_folder(embedded, tmp_path):
+    """Issue 13, finding 10: every virtual environment holds its own copy of the package's GGUF file (another
+    path, another mtime). The cache is keyed by content, so a copy finds the folder the original converted,
+    and the OCM namespace (the revision) is the same too."""
+    copy = tmp_path / "other-venv" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(embedded_gguf_path(), copy)  # a new file: new inode, new mtime
+    cache = default_cache_dir()
+    folder = gguf_cache_folder(embedded_gguf_path(), cache)
+    assert gguf_cache_folder(copy, cache) == folder
+    before = sorted(p.name for p in (cache / "models").iterdir())
+    assert load_tokenizer_for_display(str(copy)).get_vocab() == embedded.tokenizer.get_vocab()
+    assert sorted(p.name for p in (cache / "models").iterdir()) == before  # nothing converted anew
+    assert gguf_content_key(copy, cache) == embedded.revision
+
+
+def test_a_changed_file_gets_a_new_key(tmp_path):
+    """The digest memo is keyed by path, size and mtime: rewriting a file in place is hashed afresh."""
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF one")
+    first = gguf_content_key(f, tmp_path)
+    f.write_bytes(b"GGUF two, longer")
+    assert gguf_content_key(f, tmp_path) != first
+    g = tmp_path / "copy.gguf"
+    g.write_bytes(b"GGUF one")
+    assert gguf_content_key(g, tmp_path) == first
 
 
 def test_a_prepared_cache_folder_is_loaded_instead_of_the_gguf(saved_words, tmp_path):

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from service import __version__
 from service.api.errors import install_error_handlers
 from service.api.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
+from service.api.openapi import install_openapi
 from service.api.request_id import RequestIdMiddleware
 from service.api.routers import completions, health, metrics, models, ocm, playground, tokenize
 from service.api.state import ServiceState
@@ -47,12 +48,15 @@ def create_app(
     app = FastAPI(title="csd-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.csd = state
     install_error_handlers(app)
+    install_openapi(app)
     routers = [module.router for module in (completions, models, tokenize, health, metrics, ocm, playground)]
     for router in routers:
         app.include_router(router)
     # add_middleware wraps: the last added runs first, so the metrics middleware sees every response,
     # 413s from the body limit included.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s
+    )
     paths = frozenset(route.path for router in routers for route in router.routes)  # type: ignore[attr-defined]
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics, paths=paths)
     # Outermost: every response, whoever sends it, carries x-request-id.

@@ -5,10 +5,15 @@
   `/metrics`), as vLLM does: they would be half of a quiet server's responses, and /ready's 503s while the
   model loads would show as server errors.
 - `BodyLimitMiddleware` refuses request bodies over the limit with 413 before any parsing: at once when
-  Content-Length says so, or as soon as a chunked body grows past it.
+  Content-Length says so, or as soon as a chunked body grows past it. A body that does not arrive in full
+  within `body_timeout_s` (a Content-Length larger than what is sent, a slowloris trickle) gets 408 and
+  the connection is closed: otherwise it would hold a connection, and a task, forever.
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -53,9 +58,19 @@ class RequestMetricsMiddleware:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    def _too_slow(self, received: int) -> APIError:
+        return APIError(
+            408,
+            f"the request body did not arrive within {self.body_timeout_s:g}s ({received} bytes received); "
+            "send the whole body at once, with a Content-Length that matches it",
+            code="request_timeout",
+            headers={"Connection": "close"},  # uvicorn closes the connection after this response
+        )
 
     def _too_large(self) -> APIError:
         return APIError(
@@ -82,8 +97,13 @@ class BodyLimitMiddleware:
         chunks: list[bytes] = []
         size = 0
         more = True
+        deadline = time.monotonic() + self.body_timeout_s
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                await error_response(self._too_slow(size))(scope, receive, send)
+                return
             if message["type"] != "http.request":  # the client left before sending its body
                 return
             body = message.get("body", b"")

@@ -84,6 +84,7 @@ def speculative_config(
         raise bad_request(
             f"drafter {drafter!r} is not available on this server (available: {available}){hint}",
             param="speculative.drafter",
+            code="unsupported_parameter",  # a setting of this server, not a bad value
         )
     return spec, drafter
 
@@ -92,7 +93,9 @@ def check_text(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise bad_request(f"{param} is not valid Unicode (it holds a lone surrogate)", param=param) from None
+        raise bad_request(
+            f"{param} is not valid Unicode (it holds a lone surrogate)", param=param, code="invalid_unicode"
+        ) from None
 
 
 MAX_PROMPTS = 16  # prompts in one completions batch

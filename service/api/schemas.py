@@ -10,7 +10,8 @@ extra sampling parameters (`repetition_penalty`, `min_tokens`, `ignore_eos`, `st
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from functools import cache
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -27,8 +28,65 @@ MAX_CHOICES = 16  # n: choices share the batch, whose default size is 16
 MAX_LOGPROBS = 20
 
 
+@cache
+def _integer_fields(model: type[BaseModel]) -> frozenset[str]:
+    """Names (and aliases) of the fields that take an integer and no float."""
+    names = set()
+    for name, info in model.model_fields.items():
+        args = set(get_args(info.annotation)) | {info.annotation}
+        if int in args and float not in args:
+            names.update({name, info.alias or name})
+    return frozenset(names)
+
+
+def _non_empty_strings(schema: dict[str, Any]) -> None:
+    """OpenAPI only (the server's own check, in plan.py, keeps its clearer message): the strings of this
+    union, alone or in a list, must not be empty, as the server requires."""
+    for option in schema.get("anyOf", [schema]):
+        if option.get("type") == "string":
+            option["minLength"] = 1
+        elif option.get("items", {}).get("type") == "string":
+            option["items"]["minLength"] = 1
+
+
+def _non_empty_prompt(schema: dict[str, Any]) -> None:
+    """OpenAPI only: no empty prompt, neither an empty string nor an empty list."""
+    _non_empty_strings(schema)
+    for option in schema.get("anyOf", []):
+        if option.get("type") == "array":
+            option["minItems"] = 1
+            if option.get("items", {}).get("type") == "array":  # a batch of token-id prompts
+                option["items"]["minItems"] = 1
+
+
+def _text_parts(schema: dict[str, Any]) -> None:
+    """OpenAPI only: a list of content parts holds text parts (what `_text_parts_only` accepts)."""
+    part = {
+        "type": "object",
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        "required": ["type", "text"],
+    }
+    for option in schema.get("anyOf", []):
+        if option.get("type") == "array":
+            option["items"] = part
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats_are_integers(cls, data: object) -> object:
+        """JSON has one number type: 5.0 is the integer 5 (JSON Schema's `integer` says so, and Python's
+        json module writes whole floats that way). Strict mode would refuse it for an int field; a string
+        stays refused."""
+        if not isinstance(data, dict):
+            return data
+        fields = _integer_fields(cls)
+        return {
+            k: int(v) if k in fields and isinstance(v, float) and v.is_integer() else v
+            for k, v in data.items()
+        }
 
 
 class StreamOptions(_Request):
@@ -93,7 +151,9 @@ class _GenerationRequest(_Request):
     temperature: float | None = Field(None, ge=0, le=2, description="0: greedy (the server default)")
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
+        None, json_schema_extra=_non_empty_strings
+    )
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -152,7 +212,8 @@ class _GenerationRequest(_Request):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
-        description="the prompt: text, token ids, or a batch of either (one choice set per prompt)"
+        json_schema_extra=_non_empty_prompt,
+        description="the prompt: text, token ids, or a batch of either (one choice set per prompt)",
     )
     max_tokens: int | None = Field(None, ge=0, description="tokens to generate at most; 0 with echo scores")
     echo: bool | None = Field(None, description="return the prompt before the completion")

@@ -7,6 +7,7 @@ already running drain (up to shutdown_grace_s).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import socket
@@ -17,6 +18,7 @@ import uvicorn
 
 from service.api.app import create_app
 from service.config import Settings
+from service.log_format import uvicorn_log_config
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -33,16 +35,39 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, telling the app when a shutdown signal arrives (before connections drain)."""
+# uvicorn cancels the tasks still running when its graceful-shutdown timeout ends: a stream is cut mid-write
+# (no error event, no [DONE]) and the log shows a CancelledError traceback. So the app ends its requests
+# itself when the grace ends (a 503, an SSE error event), and uvicorn's own timeout comes this much later,
+# only for a task that is stuck beyond that.
+END_MARGIN_S = 2.0
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when a shutdown signal arrives (before connections drain) and when
+    the shutdown grace is over (to end the requests still running)."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_signal: Callable[[], None],
+        grace_s: float,
+        on_grace_end: Callable[[], None],
+    ) -> None:
         super().__init__(config)
         self._on_signal = on_signal
+        self._grace_s = grace_s
+        self._on_grace_end = on_grace_end
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._on_signal()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self._grace_s, self._on_grace_end)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 # Query parameters that carry credentials: a client that sends its key as `?api_key=` is refused (keys travel
@@ -91,14 +116,18 @@ def serve(settings: Settings, log_level: str = "info", sock: socket.socket | Non
             server.should_exit = True
 
     app = create_app(settings, on_fatal=on_fatal)
+    host, port = sock.getsockname()[:2]
+    app.state.csd.address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     config = uvicorn.Config(
         app,
         log_level=log_level,
+        log_config=uvicorn_log_config(),
         lifespan="on",
-        timeout_graceful_shutdown=settings.shutdown_grace_s,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=settings.shutdown_grace_s + END_MARGIN_S,  # type: ignore[arg-type]
         server_header=False,
     )
     redact_credentials_in_logs()
-    server = _Server(config, on_signal=app.state.csd.begin_shutdown)
+    state = app.state.csd
+    server = _Server(config, state.begin_shutdown, settings.shutdown_grace_s, state.end_generations)
     server.run(sockets=[sock])
     return fatal[0] if fatal else None

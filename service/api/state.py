@@ -51,6 +51,9 @@ class ServiceState:
         self.worker: EngineWorker | None = None
         self.on_fatal = on_fatal
         self.created = int(time.time())
+        self.started = time.monotonic()
+        self.address: str | None = None  # where clients reach us, set by `serve` once the socket is bound
+        self._announced_ready = False
         self.load_error: str | None = None
         self.shutting_down = False
         self.last_forward_ok: float | None = None  # time.monotonic() of the last successful target forward
@@ -105,6 +108,7 @@ class ServiceState:
             self._forward_ok,
             max_batch_size=runtime.settings.max_batch_size,  # 1 when the model cannot be batched
             max_batched_tokens=settings.max_batched_tokens,
+            idle_work=runtime.refine_costs,
         )
         self.worker.start()
         log.info("model %s loaded; probing", runtime.model_id)
@@ -117,6 +121,22 @@ class ServiceState:
         if not self.shutting_down:
             log.info("shutting down: refusing new requests, draining running ones")
         self.shutting_down = True
+
+    def end_generations(self) -> None:
+        """The shutdown grace is over: every request still running gets a 503 now (a stream its error event
+        and [DONE]), so its connection closes cleanly instead of being cancelled mid-write by uvicorn."""
+        if self.worker is None:
+            return
+        error = APIError(
+            503,
+            f"the server is shutting down and its shutdown grace ({self.settings.shutdown_grace_s:g}s) ended "
+            "before this generation finished; retry on another replica",
+            type=UNAVAILABLE,
+            code="shutting_down",
+        )
+        ended = self.worker.end_all(error)
+        if ended:
+            log.warning("shutdown grace ended: stopped %d running or waiting request(s) with a 503", ended)
 
     async def stop(self) -> None:
         self.begin_shutdown()
@@ -177,6 +197,17 @@ class ServiceState:
         except asyncio.TimeoutError:
             return f"the probe generation did not finish within {self.settings.ready_probe_timeout_s}s"
 
+    def _announce_ready(self, runtime: Runtime) -> None:
+        """One line an operator (or a script) can wait for: the model answers, and where."""
+        if not self._announced_ready:
+            self._announced_ready = True
+            log.info(
+                "ready: serving %s on %s (%.1f s after start)",
+                runtime.model_id,
+                self.address or f"{self.settings.host}:{self.settings.port}",
+                time.monotonic() - self.started,
+            )
+
     async def _probe(self) -> str | None:
         runtime, worker = self.runtime, self.worker
         assert runtime is not None and worker is not None
@@ -198,6 +229,7 @@ class ServiceState:
                     event = await job.next_event()
                     if isinstance(event, DoneEvent):
                         self.probe_error = None
+                        self._announce_ready(runtime)
                         return None
                     if isinstance(event, ErrorEvent):
                         raise RuntimeError(event.error.message)

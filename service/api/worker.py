@@ -181,8 +181,12 @@ class EngineWorker:
         on_forward_ok: Callable[[], None] = lambda: None,
         max_batch_size: int = 1,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
+        idle_work: Callable[[], bool] | None = None,
     ) -> None:
         self.engine = engine
+        # model work that may run only while no request does (the rest of a cost measurement): one slice
+        # per call, True while more is left. On this thread, so it never races a request's forward.
+        self._idle_work = idle_work
         self.metrics = metrics
         self.max_queue = max_queue
         self.max_batch_size = max_batch_size
@@ -243,6 +247,18 @@ class EngineWorker:
         # Roughly when a slot frees up: the batch finishes max_batch_size jobs per mean job time.
         ahead = max(1, in_system - self.max_batch_size - self.max_queue + 1)
         return int(min(60, max(1, math.ceil(self._mean_job_seconds * ahead / self.max_batch_size))))
+
+    def end_all(self, error: APIError) -> int:
+        """Answer every waiting and running job with `error` now (from the event loop, without waiting for
+        the round in progress) and stop them; the worker drops them between rounds. Returns how many."""
+        with self._lock:
+            jobs = list(self._waiting) + [a.job for a in list(self._active)]
+            self._waiting.clear()
+        for job in jobs:
+            job.cancel_reason = "shutdown"
+            job._cancelled.set()
+            job._deliver(ErrorEvent(error))
+        return len(jobs)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Refuse new work, cancel what waits and what runs, and wait for the thread."""
@@ -316,7 +332,19 @@ class EngineWorker:
         False when the worker must stop."""
         with self._lock:
             while not self._waiting and not self._active and not self._stopping:
-                self._lock.wait()
+                if self._idle_work is None:
+                    self._lock.wait()
+                    continue
+                self._lock.release()  # submit() must not wait for the slice
+                try:
+                    more = self._idle_work()
+                except Exception:
+                    log.exception("idle work failed; dropping it")
+                    more = False
+                finally:
+                    self._lock.acquire()
+                if not more:
+                    self._idle_work = None
             if self._stopping and not self._active:
                 return False
             taken: list[Job] = []

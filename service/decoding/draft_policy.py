@@ -9,8 +9,9 @@ maximises expected tokens per second,
 with l = 0 meaning a plain decoding step. P(first i kept) is the product of per-position survival rates
 s_j = P(position j kept | position j - 1 kept), learned online per drafter and per *confidence key* (for the
 n-gram drafter: the length of the matched n-gram). Rates are exponentially decayed counts with an optimistic
-prior, so they follow a workload that changes. The cost table c(n) is measured once at start
-(`measure_forward_costs`), so decisions depend on what was served, not on wall-clock noise of this round.
+prior, so they follow a workload that changes. The cost table c(n) is measured once per model and machine
+(`forward_costs`, cached on disk), so decisions depend on what was served, not on wall-clock noise of this
+round.
 
 When the policy chooses l = 0 it still learns nothing about drafting, so every `explore_every`-th such
 decision verifies the draft anyway (a counter, not a random draw: sampling streams stay reproducible).
@@ -22,51 +23,11 @@ changes only speed. For `csd` it can change which tokens get a chance to be resc
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-from transformers import DynamicCache
-
-from service.decoding.kv_cache import crop_cache
-
-
-class ForwardCosts:
-    """Seconds of a target forward by batch rows and tokens per row, interpolated between measured points.
-
-    `by_rows[r]` holds the costs for r rows at 1..len tokens per row. A table with only r = 1 (a plain list
-    of single-row costs) costs r rows of t tokens like one row of r * t tokens, which undercounts what a
-    batch pays for its rows' own contexts; `measure_forward_costs` measures real batch shapes.
-    """
-
-    def __init__(self, by_rows: dict[int, Sequence[float]]) -> None:
-        if not by_rows or 1 not in by_rows:
-            raise ValueError("forward costs need at least the single-row table")
-        self.by_rows = {r: list(c) for r, c in sorted(by_rows.items())}
-
-    @classmethod
-    def single_row(cls, costs: Sequence[float]) -> ForwardCosts:
-        return cls({1: costs})
-
-    def _row_cost(self, costs: list[float], tokens: int) -> float:
-        if tokens <= len(costs):
-            return costs[tokens - 1]
-        # past the measured sizes a forward's cost grows about linearly in its tokens
-        return costs[-1] * tokens / len(costs)
-
-    def __call__(self, rows: int, tokens: int) -> float:
-        if len(self.by_rows) == 1:
-            return self._row_cost(self.by_rows[1], rows * tokens)
-        measured = list(self.by_rows)
-        if rows in self.by_rows:
-            return self._row_cost(self.by_rows[rows], tokens)
-        lower = max((r for r in measured if r < rows), default=measured[0])
-        upper = min((r for r in measured if r > rows), default=None)
-        if upper is None:  # beyond the largest measured batch: linear in rows
-            return self._row_cost(self.by_rows[lower], tokens) * rows / lower
-        lo, hi = self._row_cost(self.by_rows[lower], tokens), self._row_cost(self.by_rows[upper], tokens)
-        return lo + (hi - lo) * (rows - lower) / (upper - lower)
+# measure_forward_costs is re-exported: callers (bench) know it from here
+from service.decoding.forward_costs import ForwardCosts, measure_forward_costs  # noqa: F401
 
 
 @dataclass
@@ -114,6 +75,11 @@ class DraftPolicy:
         self._survival: dict[tuple[str, int], _Survival] = {}
         self._skipped = 0
         self._lock = threading.Lock()
+
+    def set_costs(self, forward_costs: ForwardCosts) -> None:
+        """A refined cost table (measured in the background); the learned survival rates stay."""
+        with self._lock:
+            self.forward_costs = forward_costs
 
     def cost(self, rows: int, tokens: int) -> float | None:
         """Seconds of a forward over `rows` rows of `tokens` tokens, or None without a cost table."""
@@ -166,62 +132,3 @@ class DraftPolicy:
             return
         with self._lock:
             self._survival.setdefault((drafter, key), _Survival()).observe(drafted, kept, self.decay)
-
-
-def measure_forward_costs(
-    model: torch.nn.Module,
-    max_tokens: int,
-    context: int = 128,
-    repeats: int = 2,
-    max_rows: int = 1,
-) -> ForwardCosts:
-    """Seconds of a target forward over `rows` rows of t = 1..max_tokens new tokens after `context` cached
-    ones each (min of `repeats`). One row is measured at every t; batches at doubling row counts up to
-    `max_rows`, at t = 1, 2, 4 and max_tokens (interpolated between). Real batch shapes, so the cost of
-    each row's own context (attention, cache growth) is in the table. A few seconds on a CPU; run once."""
-    device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    rows_list = [1]
-    while rows_list[-1] < max_rows:
-        rows_list.append(min(rows_list[-1] * 2, max_rows))
-    table: dict[int, list[float]] = {}
-    with torch.inference_mode():
-        for rows in rows_list:
-            sizes = (
-                list(range(1, max_tokens + 1))
-                if rows == 1
-                else sorted({1, 2, min(4, max_tokens), max_tokens})
-            )
-            prefix = torch.randint(0, vocab, (rows, context), generator=generator).to(device)
-            cache = DynamicCache(config=model.config)
-            model(input_ids=prefix, cache=cache, logits_to_keep=1)
-            model(input_ids=prefix[:, :1], cache=cache)  # warm-up of the single-token path
-            crop_cache(cache, context)
-            measured: dict[int, float] = {}
-            for n in sizes:
-                ids = torch.randint(0, vocab, (rows, n), generator=generator).to(device)
-                best = float("inf")
-                for _ in range(repeats):
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    started = time.perf_counter()
-                    model(input_ids=ids, cache=cache)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    best = min(best, time.perf_counter() - started)
-                    crop_cache(cache, context)
-                measured[n] = best
-            costs: list[float] = []
-            for n in range(1, max_tokens + 1):
-                if n in measured:
-                    costs.append(measured[n])
-                    continue
-                lo = max(m for m in measured if m < n)
-                hi = min(m for m in measured if m > n)
-                costs.append(measured[lo] + (measured[hi] - measured[lo]) * (n - lo) / (hi - lo))
-            # A forward over more tokens never costs less: smooth out measurement noise.
-            for i in range(1, len(costs)):
-                costs[i] = max(costs[i], costs[i - 1])
-            table[rows] = costs
-    return ForwardCosts(table)

@@ -197,7 +197,8 @@ class Generation:
         if self.sampling.logprobs is not None:
             verdict.tokens = self._with_logprobs(verdict.tokens, logits)
         step = self._emit(verdict)
-        self.stats.add_round(verdict.round)
+        self.stats.add_round(step.round)
+        self.stats.num_rejections += verdict.round.num_recovered  # what verification saw, emitted or not
         self.stats.decode_seconds += seconds
         if self.grammar is not None:
             self.stats.grammar_seconds = self.grammar.seconds
@@ -243,6 +244,7 @@ class Generation:
         for token in verdict.tokens:
             if token.token_id in self.eos_ids:
                 self.finish_reason = "stop"
+                self.stats.num_eos = 1
                 break
             emitted.append(token)
             committed.append(token.token_id)
@@ -270,4 +272,6 @@ class Generation:
         self.tokens.extend(emitted)
         self.text += text
         self.stats.completion_tokens = len(self.tokens)
-        return GenerationStep(emitted, text, verdict.round, self.finish_reason)
+        # statistics count what was emitted, so they equal the provenance of the tokens (GenerationStats)
+        cut = len(emitted) < len(verdict.tokens)
+        return GenerationStep(emitted, text, verdict.round.emitted(emitted, cut), self.finish_reason)

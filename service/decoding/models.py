@@ -3,8 +3,9 @@
 A model spec (see `paths.resolve_model_spec`) is `embedded`, a `.gguf` file, a folder, or a hub id.
 
 GGUF weights are dequantised by transformers on load, which takes ~15 s for the embedded model, so the
-converted weights are cached as safetensors under `cache_dir` keyed by the file's identity; later loads read
-them in well under a second.
+converted weights are cached as safetensors under `cache_dir` keyed by the file's *content* (a sha256), so
+every copy of one file (one per virtual environment, container layer or replica) shares one converted
+folder; later loads read them in well under a second.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -126,14 +128,42 @@ def vocabulary_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def _gguf_cache_key(path: Path) -> str:
+# Hashing the 98 MB embedded file takes ~0.3 s: remember each copy's digest by its path, size and mtime, so
+# a start pays it only once per copy (a changed file has a new mtime or size and is hashed again).
+_DIGESTS_FILE = "gguf-digests.json"
+
+
+def gguf_content_key(path: Path, cache_dir: Path) -> str:
+    """The first 16 hex digits of the sha256 of a GGUF file's bytes (memoised under `cache_dir`)."""
     st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    index_file = cache_dir / _DIGESTS_FILE
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if isinstance(index, dict) and isinstance(index.get(stamp), str):
+        return index[stamp]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    key = digest.hexdigest()[:16]
+    index = index if isinstance(index, dict) else {}
+    index[stamp] = key
+    try:  # a read-only cache folder only costs the hash again next time
+        index_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index_file.with_name(f".{_DIGESTS_FILE}.{os.getpid()}")
+        tmp.write_text(json.dumps(index, indent=0))
+        tmp.replace(index_file)
+    except OSError as exc:
+        log.debug("cannot remember the digest of %s: %s", path, exc)
+    return key
 
 
 def gguf_cache_folder(path: Path, cache_dir: Path) -> Path:
-    """Where the converted weights of a GGUF file live (keyed by its path, size and mtime)."""
-    return cache_dir / "models" / f"{path.stem}-{_gguf_cache_key(path)}"
+    """Where the converted weights of a GGUF file live: keyed by its content, wherever the file lies."""
+    return cache_dir / "models" / f"{path.stem}-{gguf_content_key(path, cache_dir)}"
 
 
 def _convert_gguf(path: Path, cache_dir: Path) -> Path:
@@ -161,7 +191,8 @@ def _convert_gguf(path: Path, cache_dir: Path) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "csd_source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
+        source = {"key": gguf_content_key(path, cache_dir), "converted_from": str(path.resolve())}
+        (tmp / "csd_source.json").write_text(json.dumps(source))
         try:
             tmp.rename(target)
         except OSError:  # another process won the race
@@ -192,7 +223,7 @@ def load_model(
     if gguf_file is not None:
         assert path is not None
         source = str(_convert_gguf(path, cache_dir))
-        revision = _gguf_cache_key(path)
+        revision = gguf_content_key(path, cache_dir)
     else:
         source = str(path) if path is not None else spec
         revision = "local" if path is not None else "hub"

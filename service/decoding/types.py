@@ -11,6 +11,7 @@ Vocabulary (shared with the API, the metrics and the docs):
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -186,10 +187,46 @@ class RoundStats:
     def num_kept(self) -> int:
         return self.num_accepted + self.num_rescued
 
+    def emitted(self, tokens: Sequence[EmittedToken], cut: bool) -> RoundStats:
+        """This round's statistics counting only `tokens`, the prefix of its verified tokens that was
+        emitted. `cut`: an EOS, a stop string or the token budget ended the round before its last verified
+        token; then only the draft positions it emitted count as drafted (what came after was verified
+        for nothing and says nothing about the drafter)."""
+        by = Counter(t.provenance for t in tokens)
+        kept = by[Provenance.ACCEPTED] + by[Provenance.RESCUED]  # kept draft tokens come first in a round
+        drafted = min(kept, self.num_draft_tokens) if cut else self.num_draft_tokens
+        return RoundStats(
+            num_draft_tokens=drafted,
+            num_accepted=by[Provenance.ACCEPTED],
+            num_rescued=by[Provenance.RESCUED],
+            num_recovered=by[Provenance.RECOVERED],
+            num_bonus=by[Provenance.BONUS],
+            kept_per_position=[f and i < kept for i, f in enumerate(self.kept_per_position[:drafted])],
+            accepted_per_position=[
+                f and i < kept for i, f in enumerate(self.accepted_per_position[:drafted])
+            ],
+            ocm_seconds=self.ocm_seconds,
+        )
+
 
 @dataclass
 class GenerationStats:
-    """Running totals over a whole generation (sums of RoundStats plus timing)."""
+    """Running totals over a whole generation (sums of RoundStats plus timing). Each counter, once:
+
+    | counter | counts |
+    |---|---|
+    | completion_tokens | tokens emitted: the provenance list. Not the EOS token that ends a generation (OpenAI's usage does not count it either), nor what a round verified past a stop string or the token budget |
+    | num_accepted, num_rescued, num_recovered, num_bonus | emitted tokens of that provenance; with the plain ones (rounds without a draft) they sum to completion_tokens |
+    | num_draft_tokens | draft tokens the target verified; in a round cut short (EOS, stop string, budget) only the draft positions it emitted, so acceptance_rate = num_accepted / num_draft_tokens judges the drafter on what counted |
+    | num_drafts | rounds with at least one draft token counted in num_draft_tokens |
+    | target_forwards | decoding rounds, one target forward each, the round that chose EOS included; prefill forwards are not rounds (their time is prefill_seconds) |
+    | num_rejections | draft tokens verification rejected, emitted past or not: the divergence patterns strict calibration records in the OCM |
+    | num_eos | 1 when the target chose an EOS token, which ended the generation (decided, never emitted) |
+    | tokens_per_forward | (completion_tokens + num_eos) / target_forwards: tokens the rounds decided per forward; exactly 1.0 for vanilla decoding |
+    | accepted_per_position, kept_per_position | rounds whose draft token at position i was emitted as accepted / as accepted or rescued |
+    | forced_tokens | structured output: draft tokens the grammar forced (jump-forward) that the target verified |
+    | grammar_seconds | structured output: time in the grammar engine (masks, draft checks, commits) |
+    """  # noqa: E501
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -200,6 +237,8 @@ class GenerationStats:
     num_rescued: int = 0
     num_recovered: int = 0
     num_bonus: int = 0
+    num_eos: int = 0
+    num_rejections: int = 0
     # per draft position i: rounds whose draft token i was accepted (strict, vLLM's definition) / kept
     # (accepted or rescued)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -242,8 +281,8 @@ class GenerationStats:
 
     @property
     def tokens_per_forward(self) -> float:
-        """Tokens emitted per target forward (1.0 for vanilla decoding; vLLM's "mean acceptance length")."""
-        return self.completion_tokens / self.target_forwards if self.target_forwards else 0.0
+        """Tokens decided per target forward (1.0 for vanilla decoding; vLLM's "mean acceptance length")."""
+        return (self.completion_tokens + self.num_eos) / self.target_forwards if self.target_forwards else 0.0
 
     @property
     def tokens_per_second(self) -> float:

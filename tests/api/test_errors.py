@@ -49,7 +49,7 @@ BAD_BODIES = [
     ("speculative-bad-method", "/v1/completions", {**COMPLETION, "speculative": {"method": "magic"}}, 400, "speculative.method", "invalid_value"),
     ("speculative-tau-zero", "/v1/completions", {**COMPLETION, "speculative": {"tau": 0}}, 400, "speculative.tau", "invalid_value"),
     ("speculative-k-too-big", "/v1/completions", {**COMPLETION, "speculative": {"num_speculative_tokens": 65}}, 400, "speculative.num_speculative_tokens", "invalid_value"),
-    ("speculative-missing-drafter", "/v1/completions", {**COMPLETION, "speculative": {"drafter": "model"}}, 400, "speculative.drafter", "invalid_value"),
+    ("speculative-missing-drafter", "/v1/completions", {**COMPLETION, "speculative": {"drafter": "model"}}, 400, "speculative.drafter", "unsupported_parameter"),
 ]  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -347,3 +348,13 @@ def test_vanishing_sampling_parameters_decode(api_server: Server, sampling: dict
         response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_the_log_says_ready_with_the_address_and_every_line_has_a_timestamp(api_server: Server) -> None:
+    """Issue 13, finding 10: one line to wait for, naming where the server answers; a timestamp on every
+    log line (ours and uvicorn's, access log included). The CLI's own `csd: ...` line is a message."""
+    log = api_server.log()
+    assert f"ready: serving {MODEL} on {api_server.url} (" in log
+    stamped = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING|ERROR|DEBUG|CRITICAL)")
+    lines = [line for line in log.splitlines() if line.strip() and not line.startswith("csd: ")]
+    assert lines and all(stamped.match(line) for line in lines), [x for x in lines if not stamped.match(x)]

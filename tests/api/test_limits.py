@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,16 +18,19 @@ from tests.api.conftest import Server, assert_openai_error, start_server, wait_u
 MODEL = "SmolLM2-135M-Instruct"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
 TIMEOUT_S = 6
+BODY_TIMEOUT_S = 3
 # Vanilla decoding, one token per round: a request this long outlives the timeout on any machine.
 LONG = {"model": MODEL, "prompt": COUNTING, "max_tokens": 2000, "speculative": {"method": "vanilla"}}
 
 
 @pytest.fixture(scope="module")
 def busy_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """One generation runs, one may wait, the rest get 429; each request has TIMEOUT_S seconds."""
+    """One generation runs, one may wait, the rest get 429; each request has TIMEOUT_S seconds, and
+    BODY_TIMEOUT_S for its body."""
     server = start_server(
         tmp_path_factory.mktemp("busy-server"),
         "--max-queue", "1", "--max-batch-size", "1", "--request-timeout", str(TIMEOUT_S), "--max-tokens-cap", "2048",
+        "--body-timeout", str(BODY_TIMEOUT_S),
     )  # fmt: skip
     yield server
     server.stop()
@@ -78,6 +83,63 @@ def test_timeout_after_the_stream_began_is_an_error_event(busy_server: Server) -
     assert json.loads(events[0].removeprefix(b"data: "))["object"] == "text_completion"
 
 
+def raw_request(
+    server: Server, head: bytes, trickle: bytes = b"", every_s: float = 0.0
+) -> tuple[bytes, float]:
+    """Send `head` on a raw socket, then `trickle` one byte every `every_s`; returns everything the server
+    sent until it closed the connection, and how long that took. Fails if the server never closes it."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=BODY_TIMEOUT_S * 5) as sock:
+        sock.sendall(head)
+        for byte in trickle:
+            time.sleep(every_s)
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:  # closed by the server: what we want to see
+                break
+        received = b""
+        while chunk := sock.recv(65536):  # b"": the server closed the connection
+            received += chunk
+    return received, time.monotonic() - started
+
+
+def head(content_length: int) -> bytes:
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {content_length}\r\n\r\n".encode()
+    )
+
+
+def parse_response(raw: bytes) -> tuple[int, dict]:
+    status_line, _, rest = raw.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+@pytest.mark.parametrize(
+    "send",
+    [
+        pytest.param({"head": head(100) + b'{"model": "x"'}, id="content-length-beyond-the-body"),
+        pytest.param(
+            {"head": head(5000), "trickle": b'{"model": "x", ' * 20, "every_s": 0.5}, id="slowloris"
+        ),
+    ],
+)
+def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_closed(
+    busy_server: Server, send: dict
+) -> None:
+    """Issue 13, finding 6: a Content-Length larger than the body, or a body sent a byte at a time, holds
+    nothing for longer than the body timeout: 408 in OpenAI's shape, then the server closes the socket.
+    Meanwhile the server serves others."""
+    raw, took = raw_request(busy_server, **send)
+    status, body = parse_response(raw)
+    assert status == 408 and body["error"]["code"] == "request_timeout", raw
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert b"connection: close" in raw.lower()
+    assert BODY_TIMEOUT_S * 0.9 <= took < BODY_TIMEOUT_S * 4  # closed by the server, not by our timeout
+    assert httpx.get(f"{busy_server.url}/health", timeout=30).status_code == 200
+
+
 def test_sigterm_drains_running_requests_then_exits(tmp_path: Path) -> None:
     server = start_server(tmp_path, "--shutdown-grace", "60")
     body = {
@@ -104,3 +166,38 @@ def test_sigterm_drains_running_requests_then_exits(tmp_path: Path) -> None:
     with pytest.raises(httpx.TransportError):  # and nobody listens any more
         httpx.get(f"{server.url}/health", timeout=5)
     assert "shutting down" in server.log()
+
+
+def test_streams_still_running_when_the_grace_ends_get_an_error_event_and_done(tmp_path: Path) -> None:
+    """Issue 13, finding 3: a stream that outlives the shutdown grace ends with an OpenAI error event
+    (503 shutting_down) and [DONE], a non-streamed request with a 503 body; the log has no traceback."""
+    grace = 2
+    server = start_server(tmp_path, "--shutdown-grace", str(grace), "--max-tokens-cap", "2048")
+    answers: dict[str, httpx.Response] = {}
+
+    def collect() -> None:
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            answers["json"] = http.post("/v1/completions", json=LONG)
+
+    with (
+        httpx.Client(base_url=server.url, timeout=120) as http,
+        http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
+    ):
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # the stream runs
+        other = threading.Thread(target=collect)
+        other.start()
+        running = lambda: httpx.get(f"{server.url}/ready", timeout=10).json()["requests"]["running"]  # noqa: E731
+        assert wait_until(lambda: running() == 2, 60)
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+        other.join(60)
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    error = json.loads(rest[-2].removeprefix("data: "))
+    assert set(error) == {"error"} and error["error"]["code"] == "shutting_down", error
+    assert "grace" in error["error"]["message"]
+    assert_openai_error(answers["json"], 503, code="shutting_down")
+    assert server.proc.wait(60) in (0, -signal.SIGTERM)
+    log = server.log()
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    assert "Cancel" not in log  # uvicorn's 'Cancel N running task(s)' never had to happen

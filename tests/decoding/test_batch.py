@@ -37,7 +37,8 @@ CHUNK = 48  # max_batched_tokens: small, so the long prompt is prefilled in seve
 MAX_TOKENS = 24
 PROMPTS = [
     ("Write the days of the week, one per line, twice.", "sd"),
-    ("Copy exactly: the cat sat on the mat, the cat sat on the mat, the dog ran far.", "csd"),
+    # csd emits rescued tokens here (with the seeded memory below); a rescue past the EOS would not count
+    ("Copy exactly: the colour of the sky is grey, the colour of the sea is grey.", "csd"),
     ("Hi!", "vanilla"),
     (
         "Rewrite in American spelling: "

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.api.deps import Authorized, ServingRuntime, ServingWorker, State
+from service.api.openapi import error_responses
 from service.api.plan import plan_chat, plan_completion
 from service.api.responses import ChatFormatter, CompletionFormatter
 from service.api.schemas import (
@@ -17,26 +18,16 @@ from service.api.schemas import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
 )
 from service.api.streaming import respond
 from service.api.tools import tool_plan
 
 router = APIRouter(prefix="/v1", tags=["generation"], dependencies=[Authorized])
 
-_ERRORS: dict[int | str, dict] = {
-    status: {"model": ErrorResponse, "description": description}
-    for status, description in {
-        400: "invalid or unsupported request",
-        401: "missing or wrong API key",
-        404: "unknown model",
-        413: "request body too large",
-        429: "queue full; see Retry-After",
-        500: "the engine failed",
-        503: "not ready or shutting down",
-        504: "the request timed out",
-    }.items()
-}
+_ERRORS = error_responses(400, 401, 404, 429, 500, 503, 504)
+
+
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
 
 
 def _responses(body_model: type, chunk_model: type) -> dict[int | str, dict]:
@@ -45,7 +36,9 @@ def _responses(body_model: type, chunk_model: type) -> dict[int | str, dict]:
             "model": body_model,
             "description": f"the completion; with `stream: true`, Server-Sent Events: `data: {{{chunk_model.__name__}}}`"
             " events, then `data: [DONE]`",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            # OpenAPI 3.1: the schema of an event stream describes one event (its `data` line: a JSON chunk,
+            # an error object, or [DONE])
+            "content": {"text/event-stream": {"schema": _SSE_EVENT}},
         },
         **_ERRORS,
     }

@@ -14,7 +14,13 @@ from service.api.deps import State
 router = APIRouter(tags=["health"])
 
 
-@router.get("/health")
+def _status_body(description: str) -> dict:
+    """A 503 of these probes: their own `{"status": ..., "detail": ...}` body, not an OpenAI error."""
+    schema = {"type": "object", "properties": {"status": {"type": "string"}}, "required": ["status"]}
+    return {503: {"description": description, "content": {"application/json": {"schema": schema}}}}
+
+
+@router.get("/health", responses=_status_body("the model failed to load for good: restart"))
 async def health(state: State) -> JSONResponse:
     """200 while the process serves HTTP, even while models load. 503 only when loading failed for good
     (restarting is the cure)."""
@@ -23,7 +29,7 @@ async def health(state: State) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/ready")
+@router.get("/ready", responses=_status_body("loading, unhealthy (the probe failed) or shutting down"))
 async def ready(state: State) -> JSONResponse:
     """200 once the model is loaded and a target forward succeeded recently (or a 1-token probe just did);
     503 while loading, when the probe fails, and while shutting down. Reports the OCM store's state."""

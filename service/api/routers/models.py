@@ -6,15 +6,18 @@ from fastapi import APIRouter
 
 from service.api.deps import Authorized, ServingRuntime, State
 from service.api.errors import APIError
+from service.api.openapi import error_responses
 from service.api.plan import served_names
-from service.api.schemas import ErrorResponse, ModelCard, ModelList
+from service.api.schemas import ModelCard, ModelList
 from service.api.state import ServiceState
 from service.runtime import Runtime
 
-router = APIRouter(prefix="/v1", tags=["models"], dependencies=[Authorized])
+router = APIRouter(
+    prefix="/v1", tags=["models"], dependencies=[Authorized], responses=error_responses(401, 503)
+)
 
 
-@router.get("/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
+@router.get("/models", response_model=ModelList)
 async def list_models(state: State, runtime: ServingRuntime) -> ModelList:
     return ModelList(data=[_card(state, runtime)])
 
@@ -22,7 +25,7 @@ async def list_models(state: State, runtime: ServingRuntime) -> ModelList:
 @router.get(
     "/models/{model:path}",
     response_model=ModelCard,
-    responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}},
+    responses=error_responses(404),
 )
 async def get_model(model: str, state: State, runtime: ServingRuntime) -> ModelCard:
     if model not in served_names(runtime):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import Authorized, ServingRuntime
-from service.api.errors import UNAVAILABLE, APIError
-from service.api.schemas import ErrorResponse, OCMNamespaceTop, OCMPattern, OCMTop
+from service.api.errors import UNAVAILABLE, APIError, bad_request
+from service.api.openapi import error_responses
+from service.api.schemas import OCMNamespaceTop, OCMPattern, OCMTop
 from service.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -36,14 +37,17 @@ def _top(runtime: Runtime, n: int) -> OCMTop:
     return OCMTop(data=data)
 
 
-@router.get(
-    "/top", response_model=OCMTop, responses={401: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
-)
+@router.get("/top", response_model=OCMTop, responses=error_responses(400, 401, 503))
 async def top_patterns(
-    runtime: ServingRuntime, n: Annotated[int, Query(ge=1, le=1000, description="patterns per drafter")] = 20
+    request: Request,
+    runtime: ServingRuntime,
+    n: Annotated[int, Query(ge=1, le=1000, description="patterns per drafter")] = 20,
 ) -> OCMTop:
     """The n most frequent (draft token, target token) divergence patterns of each drafter this server
     runs, most frequent first."""
+    unknown = sorted(set(request.query_params) - {"n"})
+    if unknown:  # a typo (`?top=5`) would otherwise silently give the default
+        raise bad_request(f"unknown query parameter {unknown[0]!r}; this endpoint takes n", param=unknown[0])
     try:
         return await run_in_threadpool(_top, runtime, n)
     except Exception as exc:  # e.g. a shared store that cannot be reached: decoding goes on without it

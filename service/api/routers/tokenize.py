@@ -21,16 +21,13 @@ from starlette.concurrency import run_in_threadpool
 from service import __version__
 from service.api.deps import Authorized, ServingRuntime
 from service.api.errors import bad_request
+from service.api.openapi import error_responses
 from service.api.plan import check_model, check_text, encode_messages
-from service.api.schemas import ChatMessage, ErrorResponse, Tool, _Request
+from service.api.schemas import ChatMessage, Tool, _Request
 from service.runtime import Runtime
 
 router = APIRouter(tags=["tokenizer"])
-_ERRORS: dict[int | str, dict] = {
-    400: {"model": ErrorResponse},
-    401: {"model": ErrorResponse},
-    404: {"model": ErrorResponse},
-}
+_ERRORS = error_responses(400, 401, 404, 503)
 
 
 def _one_of_prompt_and_messages(schema: dict[str, Any]) -> None:
