@@ -48,7 +48,7 @@ def grammar_source(constraint: Constraint) -> str:
         if kind is ConstraintKind.JSON_SCHEMA:
             if not isinstance(value, dict):
                 raise DecodingError("a JSON schema must be an object")
-            return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(value), defaults=JSON_OPTIONS)
         if kind is ConstraintKind.REGEX:
             if not isinstance(value, str) or not value:
                 raise DecodingError("a regex constraint must be a non-empty string")
@@ -68,6 +68,26 @@ def grammar_source(constraint: Constraint) -> str:
     except (ValueError, GbnfToLarkError) as exc:
         raise DecodingError(f"invalid {kind.value} constraint: {exc}") from None
     raise DecodingError(f"unknown constraint kind {kind!r}")
+
+
+def closed_objects(schema: object) -> object:
+    """The schema with `additionalProperties: false` on every object that lists its properties and says
+    nothing about others. JSON Schema's default admits any extra key, and a small model given that freedom
+    invents keys until max_tokens (seen: pydantic models, which never say it, through instructor). vLLM's
+    default backend (xgrammar's strict mode) closes objects the same way; OpenAI's strict mode requires it."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed_objects(value) for key, value in schema.items()}
+    if (
+        isinstance(out.get("properties"), dict)
+        and "additionalProperties" not in out
+        and "patternProperties" not in out
+        and "unevaluatedProperties" not in out
+    ):
+        out["additionalProperties"] = False
+    return out
 
 
 class GrammarCompiler:

@@ -178,3 +178,38 @@ def test_csd_never_rescues_a_token_the_grammar_forbids():
 def test_invalid_constraints_are_user_errors(embedded, constraint):
     with pytest.raises(DecodingError):
         embedded.grammar.check(constraint)
+
+
+def test_objects_that_list_their_properties_are_closed_unless_they_say_otherwise():
+    from service.decoding.grammar import closed_objects
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+            "free": {"type": "object"},
+        },
+        "$defs": {"d": {"properties": {"x": {}}, "additionalProperties": True}},
+        "anyOf": [{"properties": {"y": {}}}, {"patternProperties": {"^z": {}}, "properties": {"z1": {}}}],
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["free"]  # a free-form object stays free
+    assert closed["$defs"]["d"]["additionalProperties"] is True  # what a schema says, it keeps
+    assert closed["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["anyOf"][1]
+    assert "additionalProperties" not in schema  # the caller's schema is left alone
+
+
+def test_a_pydantic_style_schema_cannot_grow_invented_keys(embedded):
+    tok = embedded.tokenizer
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+    }  # says nothing more
+    matcher = embedded.grammar.matcher(Constraint(ConstraintKind.JSON_SCHEMA, schema))
+    draft = tok.encode('{"n": 1, "', add_special_tokens=False)
+    valid, _ = matcher.check_draft(draft)
+    assert valid < len(draft)  # after the one property, only the closing brace
