@@ -12,17 +12,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from service.cost_cache import cpu_name
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def git_revision() -> str:
@@ -48,7 +40,7 @@ def describe(device: str = "cpu") -> dict:
     except AttributeError:
         usable = os.cpu_count() or 0
     info = {
-        "cpu": cpu_model(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "usable_cores": usable,
         "torch_threads": torch.get_num_threads(),

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 @cache
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (the machine line of the benchmarks, and part of the cost cache's key)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -44,7 +45,7 @@ def cost_key(target: LoadedModel, max_tokens: int, max_rows: int, pack_cpu_weigh
         "dtype": str(target.model.dtype),
         "device": device.type,
         "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
