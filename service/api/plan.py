@@ -11,8 +11,17 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from service.api.errors import APIError, bad_request, unsupported
+from service.api.errors import (
+    INCONSISTENT,
+    INVALID_GRAMMAR,
+    INVALID_TOKEN_ID,
+    TOO_MANY_CHOICES,
+    APIError,
+    bad_request,
+    unsupported,
+)
 from service.api.schemas import (
+    MAX_PROMPTS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -98,9 +107,6 @@ def check_text(text: str, param: str) -> None:
         ) from None
 
 
-MAX_PROMPTS = 16  # prompts in one completions batch
-
-
 def _completion_prompts(body: CompletionRequest, vocab_size: int) -> list[str | list[int]]:
     """The request's prompts: text, or token ids (checked against the vocabulary)."""
     prompt = body.prompt
@@ -123,7 +129,9 @@ def _completion_prompts(body: CompletionRequest, vocab_size: int) -> list[str | 
         if isinstance(p, str):
             check_text(p, param)
         elif any(not 0 <= t < vocab_size for t in p):
-            raise bad_request(f"token ids must be in [0, {vocab_size}) for this model", param=param)
+            raise bad_request(
+                f"token ids must be in [0, {vocab_size}) for this model", param=param, code=INVALID_TOKEN_ID
+            )
     return prompts
 
 
@@ -180,7 +188,7 @@ def _sampling(
 ) -> SamplingParams:
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
-            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs", code=INCONSISTENT)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         logprobs = body.logprobs
@@ -203,7 +211,8 @@ def _sampling(
         )
     except DecodingError as exc:
         message = str(exc)
-        raise bad_request(message, param=message.split(" ", 1)[0]) from None
+        # the ranges are the schema's: what is left spans fields (min_tokens above max_tokens, ...)
+        raise bad_request(message, param=message.split(" ", 1)[0], code=INCONSISTENT) from None
 
 
 def _check_token_ids(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> None:
@@ -212,7 +221,9 @@ def _check_token_ids(body: CompletionRequest | ChatCompletionRequest, vocab_size
         ("stop_token_ids", body.stop_token_ids or []),
     ):
         if any(not 0 <= t < vocab_size for t in ids):
-            raise bad_request(f"token ids must be in [0, {vocab_size}) for this model", param=param)
+            raise bad_request(
+                f"token ids must be in [0, {vocab_size}) for this model", param=param, code=INVALID_TOKEN_ID
+            )
 
 
 def requested_constraint(body: CompletionRequest | ChatCompletionRequest) -> tuple[Constraint, str] | None:
@@ -235,6 +246,7 @@ def requested_constraint(body: CompletionRequest | ChatCompletionRequest) -> tup
             raise bad_request(
                 "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
                 param="structured_outputs",
+                code=INCONSISTENT,
             )
         ((name, value),) = given.items()
         if name == "json" and isinstance(value, str):
@@ -242,7 +254,9 @@ def requested_constraint(body: CompletionRequest | ChatCompletionRequest) -> tup
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise bad_request(
-                    f"structured_outputs.json is not valid JSON: {exc}", param="structured_outputs.json"
+                    f"structured_outputs.json is not valid JSON: {exc}",
+                    param="structured_outputs.json",
+                    code=INVALID_GRAMMAR,
                 ) from None
         kind = {
             "json": ConstraintKind.JSON_SCHEMA,
@@ -258,7 +272,11 @@ def requested_constraint(body: CompletionRequest | ChatCompletionRequest) -> tup
     if rf.type == "json_object":
         return Constraint(ConstraintKind.JSON_OBJECT), "response_format"
     if rf.json_schema is None:
-        raise bad_request("response_format of type json_schema needs a json_schema", param="response_format")
+        raise bad_request(
+            "response_format of type json_schema needs a json_schema",
+            param="response_format",
+            code=INCONSISTENT,
+        )
     if rf.json_schema.schema_ is None:  # a name without a schema: any JSON object
         return Constraint(ConstraintKind.JSON_OBJECT), "response_format"
     return Constraint(
@@ -274,7 +292,7 @@ async def _constraint(body: CompletionRequest | ChatCompletionRequest, runtime: 
     try:  # compiling a large schema takes a while: off the event loop
         await run_in_threadpool(runtime.target.grammar.check, constraint)
     except DecodingError as exc:
-        raise bad_request(str(exc), param=param) from None
+        raise bad_request(str(exc), param=param, code=INVALID_GRAMMAR) from None
     return constraint
 
 
@@ -328,7 +346,11 @@ async def plan_completion(
     tokenizer = runtime.target.tokenizer
     prompts = _completion_prompts(body, runtime.target.vocab_size)
     if body.max_tokens == 0 and not body.echo:
-        raise bad_request("max_tokens 0 generates nothing; it only makes sense with echo", param="max_tokens")
+        raise bad_request(
+            "max_tokens 0 generates nothing; it only makes sense with echo",
+            param="max_tokens",
+            code=INCONSISTENT,
+        )
     spec, drafter = speculative_config(settings, body.speculative, runtime)
     constraint = await _constraint(body, runtime)
     plans = []
@@ -365,7 +387,9 @@ async def plan_chat(
         try:
             await run_in_threadpool(runtime.target.grammar.check, constraint)
         except DecodingError as exc:
-            raise bad_request(f"a tool's parameters cannot be enforced: {exc}", param="tools") from None
+            raise bad_request(
+                f"a tool's parameters cannot be enforced: {exc}", param="tools", code=INVALID_GRAMMAR
+            ) from None
     return _plan(body, ids, spec, drafter, settings, runtime, constraint)
 
 
@@ -383,7 +407,9 @@ def _plan(
     n = body.n or 1
     if n > settings.max_batch_size:
         raise bad_request(
-            f"n is {n}; this server runs at most {settings.max_batch_size} sequences at once", param="n"
+            f"n is {n}; this server runs at most {settings.max_batch_size} sequences at once",
+            param="n",
+            code=TOO_MANY_CHOICES,
         )
     _check_token_ids(body, runtime.target.vocab_size)
     requested = body.requested_max_tokens or None  # 0 (echo only) scores the prompt: no budget needed

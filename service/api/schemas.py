@@ -25,6 +25,7 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 MAX_STOP_SEQUENCES = 16
 MAX_CHOICES = 16  # n: choices share the batch, whose default size is 16
+MAX_PROMPTS = 16  # prompts in one completions batch
 MAX_LOGPROBS = 20
 
 
@@ -55,8 +56,11 @@ def _non_empty_prompt(schema: dict[str, Any]) -> None:
     for option in schema.get("anyOf", []):
         if option.get("type") == "array":
             option["minItems"] = 1
-            if option.get("items", {}).get("type") == "array":  # a batch of token-id prompts
-                option["items"]["minItems"] = 1
+            items = option.get("items", {})
+            if items.get("type") in ("array", "string"):  # a batch of prompts (a list of ids is one prompt)
+                option["maxItems"] = MAX_PROMPTS
+            if items.get("type") == "array":
+                items["minItems"] = 1
 
 
 def _text_parts(schema: dict[str, Any]) -> None:
@@ -69,6 +73,24 @@ def _text_parts(schema: dict[str, Any]) -> None:
     for option in schema.get("anyOf", []):
         if option.get("type") == "array":
             option["items"] = part
+
+
+# fields holding (lists of) token ids: whole floats inside them are integers too
+TOKEN_ID_LISTS = frozenset({"prompt", "stop_token_ids", "tokens"})
+
+
+def _integral_ids(value: object) -> object:
+    if isinstance(value, list):
+        return [_integral_ids(v) for v in value]
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _token_id_keys(schema: dict[str, Any]) -> None:
+    """OpenAPI only: pydantic states the key rule as `patternProperties` but leaves other keys allowed;
+    only token ids are keys."""
+    for option in schema.get("anyOf", [schema]):
+        if "patternProperties" in option:
+            option["additionalProperties"] = False
 
 
 class _Request(BaseModel):
@@ -84,7 +106,11 @@ class _Request(BaseModel):
             return data
         fields = _integer_fields(cls)
         return {
-            k: int(v) if k in fields and isinstance(v, float) and v.is_integer() else v
+            k: int(v)
+            if k in fields and isinstance(v, float) and v.is_integer()
+            else _integral_ids(v)
+            if k in TOKEN_ID_LISTS
+            else v
             for k, v in data.items()
         }
 
@@ -162,7 +188,7 @@ class _GenerationRequest(_Request):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
-        None, description="token id (as a string) -> bias in [-100, 100]"
+        None, description="token id (as a string) -> bias in [-100, 100]", json_schema_extra=_token_id_keys
     )
     # vLLM's extra sampling parameters
     repetition_penalty: float | None = Field(None, gt=0, le=2)
@@ -305,14 +331,18 @@ def _message_shapes(schema: dict[str, Any]) -> None:
             "required": ["role", "content"],
         },
         {
-            "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+            "properties": {
+                "role": {"const": "assistant"},
+                "content": {"anyOf": [*text["anyOf"], {"type": "null"}]},
+                "tool_calls": {"type": "array", "minItems": 1},
+            },
             "required": ["role", "tool_calls"],
         },
         {
             "properties": {
                 "role": {"const": "tool"},
                 "content": text,
-                "tool_call_id": {"type": "string"},
+                "tool_call_id": {"type": "string", "minLength": 1},
                 "tool_calls": False,
             },
             "required": ["role", "content", "tool_call_id"],

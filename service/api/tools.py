@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from service.api.errors import bad_request
+from service.api.errors import INCONSISTENT, INVALID_JSON, bad_request
 from service.api.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -102,13 +102,17 @@ def tool_plan(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
         # Agent frameworks send `tools: []`, "auto" and parallel_tool_calls with no tools to offer: honoured
         # as they stand (nothing to call). Only a call the request insists on cannot be made.
         if choice == "required" or isinstance(choice, NamedToolChoice):
-            raise bad_request("tool_choice asks for a tool call, but tools is empty", param="tool_choice")
+            raise bad_request(
+                "tool_choice asks for a tool call, but tools is empty", param="tool_choice", code=INCONSISTENT
+            )
         return None
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         if tool.function.name in seen:
             raise bad_request(
-                f"two tools are named {tool.function.name!r}; names must be unique", param=f"tools.{i}"
+                f"two tools are named {tool.function.name!r}; names must be unique",
+                param=f"tools.{i}",
+                code=INCONSISTENT,
             )
         seen.add(tool.function.name)
     if choice == "none":
@@ -122,6 +126,7 @@ def tool_plan(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
             "tool_choice required or a named function constrains the output already: it cannot go with a "
             "response_format or structured_outputs",
             param="tool_choice",
+            code=INCONSISTENT,
         )
     parallel = body.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
@@ -130,6 +135,7 @@ def tool_plan(body: ChatCompletionRequest, parser: str) -> ToolPlan | None:
                 f"tool_choice names the function {choice.function.name!r}, which is not in tools "
                 f"({', '.join(sorted(seen))})",
                 param="tool_choice",
+                code=INCONSISTENT,
             )
         plan = ToolPlan(tools, "function", function=choice.function.name, parallel=parallel, parser=parser)
     else:
@@ -163,6 +169,7 @@ def required_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
                     raise bad_request(
                         f"tools define {key}/{name} twice, differently: give the definitions distinct names",
                         param=f"tools.{i}.function.parameters",
+                        code=INCONSISTENT,
                     )
                 known[name] = definition
         branches.append(
@@ -287,9 +294,13 @@ def _history_arguments(arguments: str, i: int, j: int) -> dict[str, Any]:
     try:
         value = json.loads(arguments)
     except ValueError:
-        raise bad_request(f"{param} is not valid JSON: {arguments[:80]!r}", param=param) from None
+        raise bad_request(
+            f"{param} is not valid JSON: {arguments[:80]!r}", param=param, code=INVALID_JSON
+        ) from None
     if not isinstance(value, dict):
-        raise bad_request(f"{param} must be a JSON object, got {type(value).__name__}", param=param)
+        raise bad_request(
+            f"{param} must be a JSON object, got {type(value).__name__}", param=param, code=INVALID_JSON
+        )
     return value
 
 
@@ -305,6 +316,7 @@ def _check_history(messages: Sequence[ChatMessage]) -> None:
                     f"messages.{i} is a tool result for {message.tool_call_id!r}, but no tool call of the "
                     "assistant message before it has that id",
                     param=f"messages.{i}.tool_call_id",
+                    code=INCONSISTENT,
                 )
         else:
             open_calls = set()

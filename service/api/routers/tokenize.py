@@ -20,10 +20,10 @@ from starlette.concurrency import run_in_threadpool
 
 from service import __version__
 from service.api.deps import Authorized, ServingRuntime
-from service.api.errors import bad_request
+from service.api.errors import INCONSISTENT, INVALID_TOKEN_ID, bad_request
 from service.api.openapi import error_responses
 from service.api.plan import check_model, check_text, encode_messages
-from service.api.schemas import ChatMessage, Tool, _Request
+from service.api.schemas import ChatMessage, TokenId, Tool, _Request
 from service.runtime import Runtime
 
 router = APIRouter(tags=["tokenizer"])
@@ -71,12 +71,20 @@ class TokenizeRequest(_Request):
             raise ValueError("send exactly one of prompt and messages")
         if self.tools is not None and self.messages is None:
             raise ValueError("tools go with messages, not with prompt")
-        if self.continue_final_message:
-            # As vLLM: only an explicit add_generation_prompt: true contradicts it (the default gives way).
-            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
-                raise ValueError("continue_final_message needs add_generation_prompt: false")
-            self.add_generation_prompt = False
         return self
+
+    def generation_prompt(self) -> bool:
+        """add_generation_prompt as rendered. As vLLM: continue_final_message turns the default off, and
+        only an explicit add_generation_prompt: true contradicts it (a rule across fields: a 400 of its own)."""
+        if not self.continue_final_message:
+            return self.add_generation_prompt
+        if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message needs add_generation_prompt: false",
+                param="continue_final_message",
+                code=INCONSISTENT,
+            )
+        return False
 
 
 class TokenizeResponse(BaseModel):
@@ -88,7 +96,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(_Request):
     model: str | None = Field(None, description="the served model id (default: the one served)")
-    tokens: list[int] = Field(description="token ids to turn back into text")
+    tokens: list[TokenId] = Field(description="token ids to turn back into text")
 
 
 class DetokenizeResponse(BaseModel):
@@ -123,7 +131,7 @@ async def tokenize(body: TokenizeRequest, runtime: ServingRuntime) -> TokenizeRe
             runtime,
             body.messages,
             body.tools,
-            add_generation_prompt=body.add_generation_prompt,
+            add_generation_prompt=body.generation_prompt(),
             continue_final_message=body.continue_final_message,
         )
         if body.add_special_tokens:
@@ -144,6 +152,7 @@ async def detokenize(body: DetokenizeRequest, runtime: ServingRuntime) -> Detoke
             raise bad_request(
                 f"tokens.{i} is {token}, outside this model's vocabulary (0 to {vocab - 1})",
                 param=f"tokens.{i}",
+                code=INVALID_TOKEN_ID,
             )
     text = await run_in_threadpool(tokenizer.decode, body.tokens)
     return DetokenizeResponse(prompt=text)
