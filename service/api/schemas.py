@@ -191,7 +191,7 @@ class _GenerationRequest(_Request):
         None, description="token id (as a string) -> bias in [-100, 100]", json_schema_extra=_token_id_keys
     )
     # vLLM's extra sampling parameters
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=2, description="1: none (vLLM's extra)")
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_SEQUENCES)

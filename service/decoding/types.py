@@ -135,8 +135,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2 <= value <= 2:
                 raise DecodingError(f"{name} must be in [-2, 2], got {value}")
-        if not 0 < self.repetition_penalty <= 2:
-            raise DecodingError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        # a tiny penalty divides logits into inf (5e-324 did): the API's range starts at 0.01
+        if not 0.01 <= self.repetition_penalty <= 2:
+            raise DecodingError(f"repetition_penalty must be in [0.01, 2], got {self.repetition_penalty}")
         if any(not (-100 <= bias <= 100) for _, bias in self.logit_bias):
             raise DecodingError("logit_bias values must be in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

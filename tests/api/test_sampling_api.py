@@ -327,6 +327,7 @@ def test_logit_bias_min_tokens_ignore_eos_and_stop_token_ids(client, model, toke
         ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
         ({"min_tokens": 100, "max_tokens": 10}, "min_tokens"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # divided logits into inf: a 500 once
     ],
 )
 def test_bad_values_are_400s_naming_the_field(http, model, body, param):

@@ -150,3 +150,13 @@ def test_tokenizer_info_names_the_special_tokens_and_the_template(api_server: Se
     assert "<|im_start|>" in info["chat_template"]
     assert info["model_max_length"] == 8192 and info["vocab_size"] == 49152
     assert httpx.get(f"{api_server.url}/tokenizer_info").status_code == 401  # behind the key, like /tokenize
+
+
+def test_tokenize_messages_with_the_special_tokens(api_server: Server) -> None:
+    """add_special_tokens with messages (a 500 once: transformers 5's tokenizers dropped the method we used)."""
+    with api_server.client() as http:
+        plain = http.post("/tokenize", json={"messages": CHAT}).json()
+        marked = http.post("/tokenize", json={"messages": CHAT, "add_special_tokens": True})
+    assert marked.status_code == 200, marked.text
+    # SmolLM2's tokenizer adds nothing around a text: the same ids
+    assert marked.json()["tokens"] == plain["tokens"]

@@ -112,6 +112,17 @@ def _check_model(name: str | None, runtime: Runtime) -> None:
         check_model(name, runtime)
 
 
+def _special_tokens(tokenizer) -> tuple[list[int], list[int]]:
+    """What the tokenizer adds around a text (BOS, EOS, ...), found by tokenizing one word both ways
+    (transformers 5's tokenizers no longer offer build_inputs_with_special_tokens)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    marked = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for start in range(len(marked) - len(plain) + 1):
+        if marked[start : start + len(plain)] == plain:
+            return marked[:start], marked[start + len(plain) :]
+    return [], []
+
+
 def _tokenize_prompt(runtime: Runtime, prompt: str, add_special_tokens: bool) -> list[int]:
     return list(runtime.target.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
@@ -135,7 +146,8 @@ async def tokenize(body: TokenizeRequest, runtime: ServingRuntime) -> TokenizeRe
             continue_final_message=body.continue_final_message,
         )
         if body.add_special_tokens:
-            ids = tokenizer.build_inputs_with_special_tokens(ids)
+            prefix, suffix = _special_tokens(tokenizer)
+            ids = [*prefix, *ids, *suffix]
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return TokenizeResponse(
         count=len(ids), max_model_len=runtime.target.max_context, tokens=ids, token_strs=strs
