@@ -112,3 +112,16 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def engine_with_drafters(embedded: LoadedModel):
+    """An engine on the embedded model with prompt lookup, the shipped draft head and both combined, each
+    drafter with a fresh in-process memory (a module's own: rescues never depend on another module)."""
+    from ocm_store import InMemoryStore, Namespace
+    from service.decoding import CombinedDrafter, Engine, HeadDrafter, NgramDrafter
+    from service.decoding.draft_head import EMBEDDED_HEAD_DIR
+
+    ngram, head = NgramDrafter(), HeadDrafter(embedded, EMBEDDED_HEAD_DIR)
+    drafters = {"ngram": ngram, "head": head, "combined": CombinedDrafter(ngram, head)}
+    store = InMemoryStore()
+    return Engine(embedded, drafters, {n: store.memory(Namespace("t", n, "v")) for n in drafters})

@@ -217,7 +217,8 @@ class Generation:
             tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
         else:
             tops = [[] for _ in tokens]
-        chosen = logprobs.gather(1, torch.tensor([[t.token_id] for t in tokens])).squeeze(1).tolist()
+        index = torch.tensor([[t.token_id] for t in tokens], device=logprobs.device)
+        chosen = logprobs.gather(1, index).squeeze(1).tolist()
         return [
             dataclasses.replace(t, logprob=lp, top_logprobs=tuple(top))
             for t, lp, top in zip(tokens, chosen, tops, strict=True)

@@ -76,8 +76,8 @@ class LogitsProcessing:
         out; `allowed`: [>= n, V] grammar masks. Returns new processed logits [n, V]."""
         n = logits.shape[0]
         out = logits.clone()
-        if allowed is not None:
-            out.masked_fill_(~allowed[:n], float("-inf"))
+        if allowed is not None:  # the grammar engine computes its masks on the CPU
+            out.masked_fill_(~allowed[:n].to(out.device), float("-inf"))
         min_tokens = self.sampling.min_tokens
         if min_tokens and generated < min_tokens and len(self.end_ids):
             for i in range(min(n, min_tokens - generated)):

@@ -44,14 +44,20 @@ def test_langchain_with_structured_output(api_server: Server, model_name: str) -
     assert isinstance(json.loads(reply.content), dict)
 
 
-def test_instructor_json_schema_mode(api_server: Server, model_name: str) -> None:
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor(api_server: Server, model_name: str, mode: str) -> None:
+    """instructor's default TOOLS mode (a named tool_choice whose arguments the server enforces by their
+    schema) and its JSON_SCHEMA mode (a json_schema response_format)."""
     import instructor
     import openai
 
-    client = instructor.from_openai(
-        openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS[0], max_retries=0),
-        mode=instructor.Mode.JSON_SCHEMA,
+    raw = openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS[0], max_retries=0)
+    client = (
+        instructor.from_openai(raw)
+        if mode == "TOOLS"
+        else instructor.from_openai(raw, mode=instructor.Mode.JSON_SCHEMA)
     )
+    assert client.mode is instructor.Mode[mode]  # TOOLS: what a user gets without choosing
     city = client.chat.completions.create(
         model=model_name,
         response_model=City,
@@ -89,22 +95,3 @@ def test_lm_eval_local_completions_loglikelihood(api_server: Server, model_name:
     assert len(results) == 4 and all(isinstance(lp, float) and lp < 0 for lp, _ in results)
     assert results[0][0] > results[1][0] and results[2][0] > results[3][0]
     assert results[0][1] is True  # " Paris" is the greedy continuation: lm-eval's is_greedy
-
-
-def test_instructor_default_tools_mode(api_server: Server, model_name: str) -> None:
-    """instructor's default: a named tool_choice whose arguments the server enforces by its schema."""
-    import instructor
-    import openai
-
-    client = instructor.from_openai(
-        openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS[0], max_retries=0)
-    )
-    assert client.mode is instructor.Mode.TOOLS
-    city = client.chat.completions.create(
-        model=model_name,
-        response_model=City,
-        messages=[{"role": "user", "content": QUESTION}],
-        max_tokens=64,
-        max_retries=0,
-    )
-    assert isinstance(city, City) and city.name

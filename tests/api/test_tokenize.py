@@ -160,3 +160,23 @@ def test_tokenize_messages_with_the_special_tokens(api_server: Server) -> None:
     assert marked.status_code == 200, marked.text
     # SmolLM2's tokenizer adds nothing around a text: the same ids
     assert marked.json()["tokens"] == plain["tokens"]
+
+
+def test_special_tokens_around_a_text_are_found_both_sides() -> None:
+    """The tokenizer's own additions (here BOS and EOS from a post-processor) go around the chat's ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    from service.api.routers.tokenize import _special_tokens
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3}
+    backend = Tokenizer(WordLevel(words, unk_token="<unk>"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    backend.post_processor = TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert _special_tokens(tokenizer) == ([1], [2])

@@ -9,23 +9,18 @@ import math
 import pytest
 import torch
 
-from ocm_store import InMemoryStore, Namespace
 from service.decoding import (
-    CombinedDrafter,
     Constraint,
     ConstraintKind,
-    Engine,
-    HeadDrafter,
-    NgramDrafter,
     SamplingParams,
     SpeculativeConfig,
 )
-from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.engine import run_to_end
 from service.decoding.processing import LogitsProcessing
 from service.decoding.text import encode_chat
 from service.decoding.types import DecodingError, Provenance
 from service.decoding.verification import calibrated_rule, verify_greedy
+from tests.conftest import engine_with_drafters
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -50,10 +45,7 @@ def validate(schema: dict, text: str) -> None:
 
 @pytest.fixture(scope="module")
 def engine(embedded):
-    ngram, head = NgramDrafter(), HeadDrafter(embedded, EMBEDDED_HEAD_DIR)
-    drafters = {"ngram": ngram, "head": head, "combined": CombinedDrafter(ngram, head)}
-    store = InMemoryStore()
-    return Engine(embedded, drafters, {n: store.memory(Namespace("t", n, "v")) for n in drafters})
+    return engine_with_drafters(embedded)
 
 
 def chat(embedded, content: str) -> list[int]:

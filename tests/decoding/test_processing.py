@@ -6,20 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ocm_store import InMemoryStore, Namespace
 from service.decoding import (
-    CombinedDrafter,
-    Engine,
-    HeadDrafter,
-    NgramDrafter,
     SamplingParams,
     SpeculativeConfig,
 )
-from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.engine import run_to_end
 from service.decoding.processing import LogitsProcessing
 from service.decoding.text import encode_chat
 from service.decoding.types import DecodingError
+from tests.conftest import engine_with_drafters
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -89,10 +84,7 @@ def test_out_of_range_parameters_are_refused(kw, match):
 
 @pytest.fixture(scope="module")
 def engine(embedded):
-    ngram, head = NgramDrafter(), HeadDrafter(embedded, EMBEDDED_HEAD_DIR)
-    drafters = {"ngram": ngram, "head": head, "combined": CombinedDrafter(ngram, head)}
-    store = InMemoryStore()
-    return Engine(embedded, drafters, {n: store.memory(Namespace("t", n, "v")) for n in drafters})
+    return engine_with_drafters(embedded)
 
 
 @pytest.fixture(scope="module")
