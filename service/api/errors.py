@@ -60,10 +60,9 @@ class APIError(Exception):
 # or with a server setting's code, so every other refusal of a schema-valid request is a bug.
 INVALID_TOKEN_ID = "invalid_token_id"  # outside this model's vocabulary (a property of the served model)
 INVALID_GRAMMAR = "invalid_grammar"  # a JSON Schema, regex or grammar that does not compile
-INVALID_JSON = "invalid_json"  # a string field that must hold JSON (tool-call arguments) does not
 INCONSISTENT = "inconsistent_parameters"  # fields that contradict each other, or one that needs another
 TOO_MANY_CHOICES = "batch_size_exceeded"  # n above this server's max_batch_size (a setting)
-SCHEMA_UNSTATED = frozenset({INVALID_TOKEN_ID, INVALID_GRAMMAR, INVALID_JSON, INCONSISTENT, TOO_MANY_CHOICES})
+SCHEMA_UNSTATED = frozenset({INVALID_TOKEN_ID, INVALID_GRAMMAR, INCONSISTENT, TOO_MANY_CHOICES})
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:

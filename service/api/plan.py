@@ -187,7 +187,7 @@ def _sampling(
     constraint: Constraint | None,
 ) -> SamplingParams:
     if isinstance(body, ChatCompletionRequest):
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs and not body.logprobs:  # 0 alternatives asks for nothing: fine without logprobs
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs", code=INCONSISTENT)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
@@ -289,10 +289,15 @@ async def _constraint(body: CompletionRequest | ChatCompletionRequest, runtime: 
     if requested is None:
         return None
     constraint, param = requested
+    return await checked(constraint, runtime, param)
+
+
+async def checked(constraint: Constraint, runtime: Runtime, param: str, what: str = "") -> Constraint:
+    """The constraint, once the grammar engine compiled it (a 400 naming `param` if it cannot)."""
     try:  # compiling a large schema takes a while: off the event loop
         await run_in_threadpool(runtime.target.grammar.check, constraint)
     except DecodingError as exc:
-        raise bad_request(str(exc), param=param, code=INVALID_GRAMMAR) from None
+        raise bad_request(f"{what}{exc}", param=param, code=INVALID_GRAMMAR) from None
     return constraint
 
 
@@ -384,12 +389,7 @@ async def plan_chat(
     schema = tools.constraint() if tools else None
     if schema is not None:  # tool_choice required or a named function: decoding enforces the JSON
         constraint = Constraint(ConstraintKind.JSON_SCHEMA, schema)
-        try:
-            await run_in_threadpool(runtime.target.grammar.check, constraint)
-        except DecodingError as exc:
-            raise bad_request(
-                f"a tool's parameters cannot be enforced: {exc}", param="tools", code=INVALID_GRAMMAR
-            ) from None
+        constraint = await checked(constraint, runtime, "tools", "a tool's parameters cannot be enforced: ")
     return _plan(body, ids, spec, drafter, settings, runtime, constraint)
 
 
@@ -405,15 +405,26 @@ def _plan(
     if not ids:
         raise bad_request("the prompt encodes to no tokens", param="prompt")
     n = body.n or 1
-    if n > settings.max_batch_size:
+    # the runtime's settings: a model that cannot be batched runs one sequence at a time whatever was asked
+    batch = runtime.settings.max_batch_size
+    if n > batch:
         raise bad_request(
-            f"n is {n}; this server runs at most {settings.max_batch_size} sequences at once",
+            f"n is {n}; this server runs at most {batch} sequences at once",
             param="n",
             code=TOO_MANY_CHOICES,
         )
     _check_token_ids(body, runtime.target.vocab_size)
-    requested = body.requested_max_tokens or None  # 0 (echo only) scores the prompt: no budget needed
-    max_tokens = _max_tokens(requested, body.max_tokens_param, len(ids), settings, runtime.target.max_context)
+    context = runtime.target.max_context
+    if (
+        body.requested_max_tokens == 0
+    ):  # echo only: the prompt is scored, nothing generated (it may fill the context)
+        if len(ids) > context:
+            _max_tokens(None, body.max_tokens_param, len(ids), settings, context)  # its context_length error
+        max_tokens = 1  # SamplingParams' floor; the plan generates nothing
+    else:
+        max_tokens = _max_tokens(
+            body.requested_max_tokens, body.max_tokens_param, len(ids), settings, context
+        )
     return GenerationPlan(
         prompt_ids=ids,
         sampling=_sampling(body, settings, max_tokens, constraint),

@@ -141,7 +141,7 @@ def chat_logprobs(tokens: list[EmittedToken], texts: dict[int, str]) -> ChatLogp
         content=[
             TokenLogprob(
                 token=texts[t.token_id],
-                logprob=t.logprob if t.logprob is not None else 0.0,
+                logprob=t.logprob,
                 bytes=_bytes(texts[t.token_id]),
                 top_logprobs=[
                     TopLogprob(token=texts[i], logprob=lp, bytes=_bytes(texts[i])) for i, lp in t.top_logprobs
@@ -252,11 +252,11 @@ class Formatter:
 class CompletionFormatter(Formatter):
     id_prefix = "cmpl"
 
-    def __init__(
-        self, model: str, plan: GenerationPlan, include_usage: bool = False, echo: str | None = None
-    ) -> None:
+    def __init__(self, model: str, plan: GenerationPlan, include_usage: bool = False) -> None:
         super().__init__(model, plan, include_usage)
-        self.echo = echo  # the prompt's text, when the request asked for it back
+        self.echo = plan.echo_text  # the prompt's text, when the request asked for it back (a stream's one)
+        # per choice: the length of the text streamed so far, where the next token's text_offset starts
+        self._offsets = [len(self.echo or "")] * plan.n
 
     def _chunk(self, **kwargs: object) -> CompletionChunk:
         return CompletionChunk(id=self.id, created=self.created, model=self.model, **kwargs)  # type: ignore[arg-type]
@@ -282,7 +282,9 @@ class CompletionFormatter(Formatter):
             return None
         logprobs = None
         if event.logprob_texts is not None:
-            logprobs = completion_logprobs(_emitted_entries(event.tokens), event.logprob_texts)
+            offset = self._offsets[event.index]
+            logprobs = completion_logprobs(_emitted_entries(event.tokens), event.logprob_texts, offset)
+            self._offsets[event.index] = offset + sum(len(t) for t in logprobs.tokens)
         choice = CompletionChoice(index=event.index, text=event.text, logprobs=logprobs, finish_reason=None)
         return self._dump(self._chunk(choices=[choice], speculative=self._step_speculative(event)))
 

@@ -97,10 +97,12 @@ class RedactCredentials(logging.Filter):
 def redact_credentials_in_logs() -> None:
     """Install the filter on every logger that may print a request's URL (uvicorn configures its loggers
     when its Config is built: call this afterwards)."""
-    for name in ("uvicorn.access", "uvicorn.error", "uvicorn", "service"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, RedactCredentials) for f in logger.filters):
-            logger.addFilter(RedactCredentials())
+    # A logger's filters see only the records logged to that very logger, not its children's
+    # (service.api.worker, ...): the handlers that print them get the filter too.
+    loggers = [logging.getLogger(name) for name in ("uvicorn.access", "uvicorn.error", "uvicorn", "service")]
+    for target in [*loggers, *(h for logger in [*loggers, logging.getLogger()] for h in logger.handlers)]:
+        if not any(isinstance(f, RedactCredentials) for f in target.filters):
+            target.addFilter(RedactCredentials())
 
 
 def serve(settings: Settings, log_level: str = "info", sock: socket.socket | None = None) -> str | None:

@@ -128,7 +128,7 @@ async def respond(
 
 
 def _new_result(plan: GenerationPlan) -> PromptResult:
-    return PromptResult(plan, [ChoiceResult(index=i) for i in range(plan.n if plan.generate else 1)])
+    return PromptResult(plan, [ChoiceResult(index=i) for i in range(plan.n)])
 
 
 async def _collect(worker: EngineWorker, job: Job) -> PromptResult:

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from service.api.errors import INCONSISTENT, INVALID_JSON, bad_request
+from service.api.errors import INCONSISTENT, bad_request
 from service.api.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -211,7 +211,7 @@ def tools_system_prompt(tools: Sequence[Tool], parallel: bool) -> str:
     )
 
 
-def render_tool_call(name: str, arguments: dict[str, Any]) -> str:
+def render_tool_call(name: str, arguments: dict[str, Any] | str) -> str:
     """One call in the default rendering (the same text the hermes parser reads back)."""
     call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
     return f"{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"
@@ -233,10 +233,7 @@ def render_messages(
         role = "system" if message.role == "developer" else message.role
         text = message.text
         if message.role == "assistant" and message.tool_calls:
-            calls = [
-                (call, _history_arguments(call.function.arguments, i, j))
-                for j, call in enumerate(message.tool_calls)
-            ]
+            calls = [(call, _history_arguments(call.function.arguments)) for call in message.tool_calls]
             if native:
                 rendered.append(
                     {
@@ -289,19 +286,15 @@ def _tool_dict(tool: Tool) -> dict[str, Any]:
     return {"type": "function", "function": tool.function.model_dump(exclude_none=True)}
 
 
-def _history_arguments(arguments: str, i: int, j: int) -> dict[str, Any]:
-    param = f"messages.{i}.tool_calls.{j}.function.arguments"
+def _history_arguments(arguments: str) -> dict[str, Any] | str:
+    """A history call's arguments as a mapping, or the text as it came when it is no JSON object: OpenAI
+    documents that a model may write invalid arguments (and ours may, cut by max_tokens), and an agent
+    loop sends them back as they were; refusing them would end its conversation."""
     try:
         value = json.loads(arguments)
     except ValueError:
-        raise bad_request(
-            f"{param} is not valid JSON: {arguments[:80]!r}", param=param, code=INVALID_JSON
-        ) from None
-    if not isinstance(value, dict):
-        raise bad_request(
-            f"{param} must be a JSON object, got {type(value).__name__}", param=param, code=INVALID_JSON
-        )
-    return value
+        return arguments
+    return value if isinstance(value, dict) else arguments
 
 
 def _check_history(messages: Sequence[ChatMessage]) -> None:

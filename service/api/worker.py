@@ -351,6 +351,10 @@ class EngineWorker:
             taken_rows = 0
             while self._waiting:
                 rows = self._waiting[0].plan.rows
+                if rows > self.max_batch_size:  # could never fit (planning checks it): answer, never wait
+                    job = self._waiting.popleft()
+                    job._deliver(ErrorEvent(APIError(400, "n is above this server's batch size", param="n")))
+                    continue
                 if rows > self._batch.room() - taken_rows or taken_rows + rows + len(self._active) > (
                     self.max_batch_size
                 ):
@@ -374,9 +378,11 @@ class EngineWorker:
         try:
             if plan.prompt_logprobs is not None:
                 job._deliver(self._score_prompt(plan))
-            if not plan.generate:
-                stats = GenerationStats(prompt_tokens=len(plan.prompt_ids))
-                job._deliver(DoneEvent("length", "", stats))
+            if not plan.generate:  # echo with max_tokens 0: every choice is the scored prompt alone
+                for index in range(plan.n):
+                    job._deliver(
+                        DoneEvent("length", "", GenerationStats(prompt_tokens=len(plan.prompt_ids)), index)
+                    )
                 return
             generations = [
                 self.engine.generate(plan.prompt_ids, plan.sampling_for(i), plan.spec, drafter=plan.drafter)

@@ -54,9 +54,7 @@ async def create_completion(
 ) -> Response:
     arrived = time.monotonic()
     plans = await plan_completion(body, state.settings, runtime)
-    formatter = CompletionFormatter(
-        runtime.model_id, plans[0], include_usage=body.include_usage, echo=plans[0].echo_text
-    )
+    formatter = CompletionFormatter(runtime.model_id, plans[0], include_usage=body.include_usage)
     return await respond(request, state, worker, plans, formatter, stream=body.stream, arrived=arrived)
 
 
