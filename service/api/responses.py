@@ -102,12 +102,14 @@ class ChoiceResult:
     provenance: list[ProvenanceToken] = field(default_factory=list)
     tokens: list[EmittedToken] = field(default_factory=list)  # with logprobs: every emitted token
     texts: dict[int, str] = field(default_factory=dict)  # token id -> text, for logprobs
+    raw: dict[int, bytes] = field(default_factory=dict)  # token id -> its own bytes, for chat logprobs
 
     def add_step(self, event: StepEvent) -> None:
         self.provenance.extend(provenance_tokens(event))
         if event.logprob_texts is not None:
             self.tokens.extend(event.tokens)
             self.texts.update(event.logprob_texts)
+            self.raw.update(event.logprob_bytes or {})
 
     def finish(self, event: DoneEvent) -> None:
         self.text, self.finish_reason, self.stats = event.text, event.finish_reason, event.stats
@@ -132,19 +134,17 @@ def request_stats(results: list[PromptResult]) -> GenerationStats:
     return combined_stats(parts, sum(len(r.plan.prompt_ids) for r in results))
 
 
-def _bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-def chat_logprobs(tokens: list[EmittedToken], texts: dict[int, str]) -> ChatLogprobs:
+def chat_logprobs(tokens: list[EmittedToken], texts: dict[int, str], raw: dict[int, bytes]) -> ChatLogprobs:
+    """`raw`: each token's own bytes (pieces of one UTF-8 character join back into it, where the text of
+    each piece alone is U+FFFD)."""
     return ChatLogprobs(
         content=[
             TokenLogprob(
                 token=texts[t.token_id],
                 logprob=t.logprob,
-                bytes=_bytes(texts[t.token_id]),
+                bytes=list(raw[t.token_id]),
                 top_logprobs=[
-                    TopLogprob(token=texts[i], logprob=lp, bytes=_bytes(texts[i])) for i, lp in t.top_logprobs
+                    TopLogprob(token=texts[i], logprob=lp, bytes=list(raw[i])) for i, lp in t.top_logprobs
                 ],
             )
             for t in tokens
@@ -378,7 +378,9 @@ class ChatFormatter(Formatter):
         return self._dump(self._chunk(choices=[choice], speculative=self._step_speculative(event)))
 
     def _logprobs(self, event: StepEvent) -> ChatLogprobs | None:
-        return chat_logprobs(event.tokens, event.logprob_texts) if event.logprob_texts is not None else None
+        if event.logprob_texts is None:
+            return None
+        return chat_logprobs(event.tokens, event.logprob_texts, event.logprob_bytes or {})
 
     def finish_chunk(self, index: int, finish_reason: str, stats: GenerationStats) -> dict:
         if self.tools is not None and self._streams is not None:
@@ -461,7 +463,9 @@ class ChatFormatter(Formatter):
                 ChatChoice(
                     index=index,
                     message=message,
-                    logprobs=chat_logprobs(choice.tokens, choice.texts) if self.wants_logprobs else None,
+                    logprobs=chat_logprobs(choice.tokens, choice.texts, choice.raw)
+                    if self.wants_logprobs
+                    else None,
                     finish_reason=finish_reason,  # type: ignore[arg-type]
                 )
             )

@@ -28,6 +28,7 @@ from service.decoding import DecodingError, Engine, GenerationStats, SamplingPar
 from service.decoding.batch import DEFAULT_MAX_BATCHED_TOKENS, Batch
 from service.decoding.generation import Generation
 from service.decoding.scoring import prompt_logprobs
+from service.decoding.text import token_bytes
 from service.decoding.types import EmittedToken, GenerationStep
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,9 @@ class StepEvent:
     token_texts: list[tuple[str, str | None]] | None = None  # (text, replaced text), when asked for
     draft_tokens: int = 0  # draft tokens this round verified, so a client can show live acceptance
     index: int = 0  # the choice (0 .. n - 1)
-    # with logprobs: the text of every token id the round's logprobs name (chosen and alternatives)
+    # with logprobs: the text and the own bytes of every token id the round's logprobs name
     logprob_texts: dict[int, str] | None = None
+    logprob_bytes: dict[int, bytes] | None = None
 
 
 @dataclass
@@ -461,10 +463,11 @@ class EngineWorker:
                 (text, None if t.replaced_token_id is None else next(replaced_texts))
                 for t, text in zip(step.tokens, texts, strict=True)
             ]
-        logprob_texts = None
+        logprob_texts = logprob_bytes = None
         if plan.sampling.logprobs is not None:
             ids = {t.token_id for t in step.tokens} | {i for t in step.tokens for i, _ in t.top_logprobs}
             logprob_texts = self._texts(ids)
+            logprob_bytes = token_bytes(self.engine.target.tokenizer, sorted(ids))
         job._deliver(
             StepEvent(
                 step.text,
@@ -475,6 +478,7 @@ class EngineWorker:
                 step.round.num_draft_tokens,
                 index=active.index,
                 logprob_texts=logprob_texts,
+                logprob_bytes=logprob_bytes,
             )
         )
 

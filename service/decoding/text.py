@@ -96,3 +96,39 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte (the mapping `tokenizers`' ByteLevel uses)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> dict[int, bytes]:
+    """Each token's own bytes (what OpenAI's logprobs `bytes` holds): for a byte-level BPE vocabulary the
+    token's raw bytes, so that pieces of one UTF-8 character (an emoji split over two tokens) join back into
+    it; otherwise its decoded text in UTF-8."""
+    ids = list(ids)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    out: dict[int, bytes] = {}
+    for token, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids), strict=True):
+        if byte_level and token not in special and piece is not None and all(c in _BYTE_LEVEL for c in piece):
+            out[token] = bytes(_BYTE_LEVEL[c] for c in piece)
+        else:
+            out[token] = tokenizer.decode([token]).encode("utf-8")
+    return out

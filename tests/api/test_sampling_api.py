@@ -378,3 +378,20 @@ def test_scoring_with_n_choices_and_streamed_offsets(client, model):
 def test_top_logprobs_zero_needs_no_logprobs_flag(client, model):
     r = client.chat.completions.create(model=model, messages=ASK, max_tokens=2, top_logprobs=0)
     assert r.choices[0].logprobs is None
+
+
+def test_chat_logprob_bytes_join_back_into_a_character_split_over_tokens(client, model):
+    """Byte-level BPE splits an emoji over two tokens whose texts alone are U+FFFD: `bytes` holds each
+    token's own bytes, which join back into the character (a review finding: they held the text's)."""
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Reply with the emoji 😀 only."}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        extra_body={"structured_outputs": {"choice": ["😀 yes"]}},
+    )
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == "😀 yes"
+    assert any(entry.token == "\ufffd" for entry in content)  # a piece of the emoji, alone
+    assert b"".join(bytes(entry.bytes) for entry in content).decode("utf-8") == "😀 yes"
