@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     from service.decoding.models import load_model
     from training.features import shard_features
     from training.magpie import CorpusConfig, build_corpus, read_shard
-    from training.prompts import bench_ngrams
+    from training.overlap import bench_ngrams
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)

@@ -40,7 +40,7 @@ import torch
 
 from service.decoding.models import LoadedModel
 from service.decoding.text import encode_chat
-from training.prompts import overlaps
+from training.overlap import overlaps
 from training.sampling import decode_batch
 
 log = logging.getLogger(__name__)

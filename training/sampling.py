@@ -43,21 +43,27 @@ def decode_batch(
         logits_to_keep=1,
     ).logits[:, -1]
     out: list[list[int]] = [[] for _ in range(rows)]
-    done = [False] * rows
     stopped = [False] * rows
+    live = list(range(rows))  # batch row -> prompt index; finished rows leave the batch (their cache too)
     position = positions[:, -1]
     for _ in range(max_new_tokens):
         next_ids = _choose(logits.float(), temperature, top_p, generator).cpu()
-        for b in range(rows):
-            if done[b]:
-                continue
+        keep = []
+        for b, index in enumerate(live):
             token = int(next_ids[b])
-            out[b].append(token)
+            out[index].append(token)
             if token in stop_ids:
-                done[b] = stopped[b] = True
-        if all(done):
+                stopped[index] = True
+            else:
+                keep.append(b)
+        if not keep:
             break
-        mask = torch.cat([mask, torch.ones((rows, 1), dtype=torch.long)], dim=1)
+        if len(keep) < len(live):  # a batch runs as long as its longest row: don't pay for finished ones
+            select = torch.tensor(keep)
+            cache.batch_select_indices(select.to(device))
+            mask, position, next_ids = mask[select], position[select], next_ids[select]
+            live = [live[b] for b in keep]
+        mask = torch.cat([mask, torch.ones((len(live), 1), dtype=torch.long)], dim=1)
         position = position + 1
         logits = model(
             input_ids=next_ids[:, None].to(device),

@@ -14,6 +14,7 @@ Held-out answers (a seeded 3 %) give the per-step accuracy and the expected toke
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -26,6 +27,7 @@ from safetensors.torch import load_file
 
 from service.decoding.draft_head import DraftHeadConfig, RecurrentDraftHead
 from service.decoding.models import LoadedModel, vocabulary_hash
+from training.features import feature_layers
 
 log = logging.getLogger(__name__)
 
@@ -46,30 +48,42 @@ class TrainConfig:
     holdout_share: float = 0.03
     eval_positions: int = 8192
     bf16: bool = True  # autocast on CPUs with bf16 matmuls (AVX512-BF16 / AMX) and on GPUs
+    fuse_layers: bool = (
+        False  # EAGLE-3's low + mid + final features (training.features) instead of final only
+    )
 
 
 @dataclass
 class Data:
     tokens: torch.Tensor  # [N] int64
-    hidden: torch.Tensor  # [N, d] bf16
+    hidden: torch.Tensor  # [N, d] bf16: the final hidden state (what the head's state is pulled towards)
     ends: torch.Tensor  # [N] the end (exclusive) of the answer each position belongs to
+    features: torch.Tensor | None = None  # [N, 3d] bf16: low, mid, final (a fused head's input), or None
+
+    def start_features(self, starts: torch.Tensor) -> torch.Tensor:
+        """What a round starting at `starts` hands the head (see RecurrentDraftHead.initial_state)."""
+        source = self.features if self.features is not None else self.hidden
+        return source[starts].float()
 
 
-def load_data(files: list[Path]) -> tuple[Data, list[tuple[int, int]]]:
-    tokens, hidden, spans = [], [], []
+def load_data(files: list[Path], fused: bool = False) -> tuple[Data, list[tuple[int, int]]]:
+    tokens, hidden, features, spans = [], [], [], []
     base = 0
     for file in files:
         data = load_file(str(file))
         offsets = data["offsets"].tolist()
         tokens.append(data["tokens"].long())
         hidden.append(data["hidden"])
+        if fused:
+            features.append(torch.cat([data["hidden_low"], data["hidden_mid"], data["hidden"]], dim=-1))
         spans += [(base + a, base + b) for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
         base += offsets[-1]
+        del data
     all_tokens = torch.cat(tokens)
     ends = torch.empty_like(all_tokens)
     for a, b in spans:
         ends[a:b] = b
-    return Data(all_tokens, torch.cat(hidden), ends), spans
+    return Data(all_tokens, torch.cat(hidden), ends, torch.cat(features) if fused else None), spans
 
 
 def rank_vocabulary(
@@ -92,7 +106,7 @@ def _unrolled_loss(
     head: RecurrentDraftHead, data: Data, starts: torch.Tensor, remap: torch.Tensor, config: TrainConfig
 ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Mean loss over the unrolled steps, and per step (correct, counted) top-1 tallies."""
-    state = data.hidden[starts].float()
+    state = head.initial_state(data.start_features(starts))
     total = state.new_zeros(())
     tallies = []
     for j in range(1, config.unroll + 1):
@@ -114,21 +128,35 @@ def _unrolled_loss(
 
 
 def evaluate(
-    head: RecurrentDraftHead, data: Data, starts: torch.Tensor, remap: torch.Tensor, config: TrainConfig
+    head: RecurrentDraftHead,
+    data: Data,
+    starts: torch.Tensor,
+    remap: torch.Tensor,
+    config: TrainConfig,
+    max_steps: int = 6,
 ) -> dict:
-    """Teacher-forced held-out accuracy per draft step, and the conditional acceptance it implies."""
+    """Teacher-forced held-out figures of a head:
+    - accuracy per draft step, and the conditional acceptance of a chain (a step counts only where every
+      earlier step was right: what a draft needs), with the tokens per forward a full 6-token draft implies;
+    - `served_tokens_per_forward`: serving simulated, with the head's own stop rule (`MIN_SURVIVAL` on its
+      calibrated confidence): each start drafts until the rule stops it or 6 tokens, keeps the draft's
+      correct prefix, plus the target's own token. This is the model card's prediction for greedy serving
+      with `--drafter head` (the draft policy can only cut drafts shorter)."""
+    from service.decoding.drafters.head import MIN_SURVIVAL
+
     head.eval()
-    correct = [0] * 6
-    counted = [0] * 6
-    # conditional: a step counts only where every earlier step was right (what a draft chain needs)
-    chain_hits = [0] * 6
-    chain_tries = [0] * 6
+    correct, counted = [0] * max_steps, [0] * max_steps
+    chain_hits, chain_tries = [0] * max_steps, [0] * max_steps
+    served_kept = served_drafted = 0
+    temperature = head.config.confidence_temperature
     with torch.no_grad():
         for first in range(0, len(starts), 2048):
             batch = starts[first : first + 2048]
-            state = data.hidden[batch].float()
+            state = head.initial_state(data.start_features(batch))
             alive = torch.ones(len(batch), dtype=torch.bool)
-            for j in range(1, 7):
+            drafting = torch.ones(len(batch), dtype=torch.bool)  # the stop rule has not stopped this row
+            survival = torch.ones(len(batch))
+            for j in range(1, max_steps + 1):
                 pos = batch + j
                 valid = pos < data.ends[batch]
                 safe = torch.where(valid, pos, batch)
@@ -139,7 +167,12 @@ def evaluate(
                 tries = alive & valid
                 chain_tries[j - 1] += int(tries.sum())
                 chain_hits[j - 1] += int((hit & tries).sum())
+                drafting &= valid
+                served_drafted += int(drafting.sum())
+                served_kept += int((drafting & alive & hit).sum())
                 alive = alive & hit
+                survival = survival * torch.softmax(logits.float() / temperature, -1).max(-1).values
+                drafting &= survival >= MIN_SURVIVAL
     head.train()
     accuracy = [c / max(1, n) for c, n in zip(correct, counted, strict=True)]
     conditional = [c / max(1, n) for c, n in zip(chain_hits, chain_tries, strict=True)]
@@ -151,6 +184,59 @@ def evaluate(
         "accuracy_per_step": [round(a, 4) for a in accuracy],
         "conditional_acceptance_per_step": [round(a, 4) for a in conditional],
         "expected_tokens_per_forward_k6": round(expected, 3),
+        "served_tokens_per_forward": round(1 + served_kept / max(1, len(starts)), 3),
+        "served_acceptance": round(served_kept / max(1, served_drafted), 4),
+        "served_draft_length": round(served_drafted / max(1, len(starts)), 3),
+        "positions": int(len(starts)),
+    }
+
+
+def fit_confidence_temperature(
+    head: RecurrentDraftHead, data: Data, starts: torch.Tensor, max_steps: int = 6
+) -> dict:
+    """Temperature scaling (Guo et al., 2017) of the head's top-1 confidence on held-out answers: the T that
+    makes softmax(logits / T).max() the best-calibrated probability that the draft token is the target's
+    (binary cross-entropy over every unrolled step). Returns T and the expected calibration error before and
+    after, for the model card."""
+    grid = [0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.4, 2.8, 3.4, 4.0]
+    losses = [0.0] * len(grid)
+    confidences: list[list[torch.Tensor]] = [[] for _ in grid]
+    hits: list[torch.Tensor] = []
+    head.eval()
+    with torch.no_grad():
+        for first in range(0, len(starts), 2048):
+            batch = starts[first : first + 2048]
+            state = head.initial_state(data.start_features(batch))
+            for j in range(1, max_steps + 1):
+                pos = batch + j
+                valid = pos < data.ends[batch]
+                safe = torch.where(valid, pos, batch)
+                state, logits = head.step(state, data.tokens[safe - 1])
+                hit = (head.draft_vocab[logits.argmax(-1)] == data.tokens[safe])[valid].float()
+                hits.append(hit)
+                for g, t in enumerate(grid):
+                    conf = torch.softmax(logits[valid].float() / t, -1).max(-1).values.clamp(1e-6, 1 - 1e-6)
+                    confidences[g].append(conf)
+                    losses[g] += float(torch.nn.functional.binary_cross_entropy(conf, hit, reduction="sum"))
+    head.train()
+    best = min(range(len(grid)), key=losses.__getitem__)
+    all_hits = torch.cat(hits)
+
+    def ece(conf: torch.Tensor) -> float:
+        bins = (conf * 10).clamp(max=9.999).long()
+        total = 0.0
+        for b in range(10):
+            inside = bins == b
+            if inside.any():
+                total += float(inside.sum()) * abs(
+                    float(conf[inside].mean()) - float(all_hits[inside].mean())
+                )
+        return total / max(1, len(conf))
+
+    return {
+        "temperature": grid[best],
+        "ece_before": round(ece(torch.cat(confidences[grid.index(1.0)])), 4),
+        "ece_after": round(ece(torch.cat(confidences[best])), 4),
         "positions": int(len(starts)),
     }
 
@@ -158,11 +244,13 @@ def evaluate(
 def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig) -> dict:
     torch.manual_seed(config.seed)
     started = time.perf_counter()
-    data, spans = load_data(files)
+    data, spans = load_data(files, fused=config.fuse_layers)
     generator = torch.Generator().manual_seed(config.seed)
     order = torch.randperm(len(spans), generator=generator).tolist()
     held = max(1, int(len(spans) * config.holdout_share))
-    eval_spans = [spans[i] for i in order[:held]]
+    # held-out answers: one half calibrates the head's confidence, the other half is what the card reports
+    eval_spans = [spans[i] for i in order[: (held + 1) // 2]]
+    calibration_spans = [spans[i] for i in order[(held + 1) // 2 : held]] or eval_spans
     train_spans = [spans[i] for i in order[held:]]
     draft_vocab, coverage = rank_vocabulary(data.tokens, train_spans, config.draft_vocab)
     remap = torch.full((int(data.tokens.max()) + 1,), -100, dtype=torch.long)
@@ -186,12 +274,17 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
         target_vocab_hash=vocabulary_hash(target.tokenizer),
         target_name=target.name,
         rms_norm_eps=float(getattr(model.config, "rms_norm_eps", 1e-5)),
+        feature_layers=feature_layers(model.config.num_hidden_layers) if config.fuse_layers else (),
     )
     head = RecurrentDraftHead(head_config, draft_vocab).bind(embed, lm_head)
     head.train()
     train_starts = _positions(train_spans)
     eval_starts = _positions(eval_spans)
     eval_starts = eval_starts[torch.randperm(len(eval_starts), generator=generator)[: config.eval_positions]]
+    calibration_starts = _positions(calibration_spans)
+    calibration_starts = calibration_starts[
+        torch.randperm(len(calibration_starts), generator=generator)[: config.eval_positions]
+    ]
     steps = max(1, int(config.epochs * len(train_starts) / config.batch_size))
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
@@ -236,6 +329,9 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
             history.append(entry)
             log.info("%s", entry)
             running, window, tallies_sum = 0.0, 0, None
+    calibration = fit_confidence_temperature(head, data, calibration_starts)
+    head.config = dataclasses.replace(head.config, confidence_temperature=calibration["temperature"])
+    log.info("confidence calibration: %s", calibration)
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=False):
         held_out = evaluate(head, data, eval_starts, remap, config)
     log.info("held out: %s", held_out)
@@ -251,40 +347,54 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
         "steps": steps,
         "final_loss": history[-1]["loss"] if history else None,
         "held_out": held_out,
+        "confidence_calibration": calibration,
         "history": history,
         "seconds": round(time.perf_counter() - started, 1),
         "torch_threads": torch.get_num_threads(),
     }
     head.save(out, extra={"training": "python -m training (see training.json)"})
     (out / "training.json").write_text(json.dumps(report, indent=1))
-    (out / "README.md").write_text(model_card(report, head_config))
+    (out / "README.md").write_text(model_card(report, head.config))
     return report
 
 
 def model_card(report: dict, config: DraftHeadConfig) -> str:
     held = report["held_out"]
-    params_m = (
-        (2 * config.hidden_size * config.inner_size + config.inner_size * config.hidden_size)
-        + (config.num_blocks - 1) * 2 * config.hidden_size * config.inner_size
-    ) / 1e6
+    calibration = report["confidence_calibration"]
+    params = sum(
+        v.numel()
+        for k, v in RecurrentDraftHead(config, torch.zeros(config.draft_vocab_size)).state_dict().items()
+        if k != "draft_vocab"
+    )
+    features = (
+        f"the target's final hidden state fused with decoder layers {list(config.feature_layers)} (EAGLE-3)"
+        if config.feature_layers
+        else "the target's final hidden state"
+    )
     return f"""# Recurrent draft head for {config.target_name}
 
 A drafter for speculative decoding with SmolLM2-135M-Instruct (the csd-serve embedded model). Architecture:
-`service/decoding/draft_head.py` (a recurrent head on the target's final hidden state, ReDrafter-style,
-with a frequency-ranked draft vocabulary). About {params_m:.1f} M parameters of its own; the token embeddings
-and LM-head rows are the target's and are not stored here.
+`service/decoding/draft_head.py` (a recurrent head on {features}, ReDrafter-style, with a frequency-ranked
+draft vocabulary). {params / 1e6:.1f} M parameters of its own; the token embeddings and LM-head rows are the
+target's and are not stored here.
 
-- Data: self-distillation. {report["data"]["answers"]} greedy answers of the target ({report["data"]["positions"]}
-  positions) to prompts assembled for this project from templates and topic lists (`training/prompts.py`,
-  Apache-2.0, no third-party data; disjoint from every `bench/` prompt by an 8-word-overlap filter), plus
-  grounded prompts whose passages are the target's own earlier answers.
+- Data: self-distillation on a corpus the target wrote itself (`training/magpie.py`, Magpie): its own sampled
+  user turns (open, under operator system prompts, multi-turn, grounded on passages, tool-style) and its
+  greedy answers. {report["data"]["answers"]} answers, {report["data"]["positions"]} positions. No third-party
+  data; no user turn shares an 8-word sequence with any `bench/` prompt. Licence: Apache-2.0 (the target model,
+  SmolLM2, is Apache-2.0; the corpus is its output).
 - Draft vocabulary: {config.draft_vocab_size} tokens, covering {100 * report["data"]["draft_vocabulary_coverage"]:.1f} % of answer tokens.
 - Training: {report["steps"]} steps of {report["config"]["batch_size"]} start positions x {report["config"]["unroll"]}
   unrolled draft steps, AdamW lr {report["config"]["lr"]}, seed {report["config"]["seed"]},
   {report["seconds"]:.0f} s on {report["torch_threads"]} CPU threads; final training loss {report["final_loss"]}.
-- Held-out (teacher-forced, {held["positions"]} positions): accuracy per draft step {held["accuracy_per_step"]};
-  conditional acceptance {held["conditional_acceptance_per_step"]};
-  expected tokens per target forward with 6 draft tokens {held["expected_tokens_per_forward_k6"]}.
-- Reproduce: `python -m training` (README, "The trained drafter"). Serving figures: README and bench/figures.
-- Licence: Apache-2.0 (the target model, SmolLM2, is Apache-2.0).
+- Confidence: temperature {calibration["temperature"]} fitted on {calibration["positions"]} held-out positions
+  (expected calibration error {calibration["ece_before"]} -> {calibration["ece_after"]}); the stop rule reads it.
+- Held-out answers (teacher-forced, {held["positions"]} positions, not used for calibration): accuracy per
+  draft step {held["accuracy_per_step"]}; conditional acceptance {held["conditional_acceptance_per_step"]};
+  a full 6-token draft would give {held["expected_tokens_per_forward_k6"]} tokens per target forward.
+- **Predicted for serving** (greedy, `--drafter head`, the head's stop rule simulated):
+  {held["served_tokens_per_forward"]} tokens per target forward, {100 * held["served_acceptance"]:.1f} % of
+  {held["served_draft_length"]} drafted tokens per round accepted. The benchmark measures the same on prompts
+  the corpus never saw (README).
+- Reproduce: `python -m training` (README, "The trained drafter").
 """

@@ -45,6 +45,12 @@ class DraftHeadConfig:
     target_vocab_hash: str  # `models.vocabulary_hash` of the target the head was trained for
     target_name: str
     rms_norm_eps: float = 1e-5
+    # EAGLE-3's fusion (arXiv 2503.01840): decoder layers whose outputs join the final hidden state as the
+    # head's input, state_0 = h + Fuse([norm(f_low); norm(f_mid); norm(h)]); () = the final state alone
+    feature_layers: tuple[int, ...] = ()
+    # Temperature scaling of the head's confidence (fitted on held-out answers after training): the stop
+    # rule multiplies top probabilities, so they must mean what they say on text the head never saw
+    confidence_temperature: float = 1.0
 
 
 class _RMSNorm(nn.Module):
@@ -87,6 +93,12 @@ class RecurrentDraftHead(nn.Module):
         self.mlps = nn.ModuleList(_Block(d, config.inner_size, d) for _ in range(config.num_blocks - 1))
         self.mlp_norms = nn.ModuleList(_RMSNorm(d, eps) for _ in range(config.num_blocks - 1))
         self.out_norm = _RMSNorm(d, eps)
+        inputs = len(config.feature_layers) + 1
+        self.feature_norms = nn.ModuleList(_RMSNorm(d, eps) for _ in range(inputs if inputs > 1 else 0))
+        self.fuse = nn.Linear(inputs * d, d) if inputs > 1 else None
+        if self.fuse is not None:  # starts as the final state alone: fusion is learned on top of it
+            nn.init.zeros_(self.fuse.weight)
+            nn.init.zeros_(self.fuse.bias)
         # the target's, never saved with the head: [V, d] embeddings, [draft_vocab_size, d] LM-head rows
         self.embed: torch.Tensor | None = None
         self.lm_rows: torch.Tensor | None = None
@@ -97,6 +109,21 @@ class RecurrentDraftHead(nn.Module):
         self.embed = embed.detach()
         self.lm_rows = lm_head.detach().index_select(0, vocab).contiguous()
         return self
+
+    @property
+    def feature_size(self) -> int:
+        """The width of the features a round starts from: [low, mid, ..., final] concatenated."""
+        return (len(self.config.feature_layers) + 1) * self.config.hidden_size
+
+    def initial_state(self, features: torch.Tensor) -> torch.Tensor:
+        """features [B, feature_size] (the target's at the position that chose the last token) -> state [B, d]."""
+        d = self.config.hidden_size
+        final = features[..., -d:]
+        if self.fuse is None:
+            return final
+        parts = features.split(d, dim=-1)
+        normed = [norm(part) for norm, part in zip(self.feature_norms, parts, strict=True)]
+        return final + self.fuse(torch.cat(normed, dim=-1))
 
     def step(self, state: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft position for every row: state [B, d], token_ids [B] (target ids, the last token) ->
@@ -136,7 +163,9 @@ class RecurrentDraftHead(nn.Module):
         except (OSError, ValueError) as exc:
             raise DecodingError(f"cannot load draft head from {str(folder)!r}: {exc}") from exc
         fields = DraftHeadConfig.__dataclass_fields__
-        config = DraftHeadConfig(**{k: v for k, v in raw.items() if k in fields})
+        values = {k: v for k, v in raw.items() if k in fields}
+        values["feature_layers"] = tuple(values.get("feature_layers", ()))
+        config = DraftHeadConfig(**values)
         head = cls(config, tensors["draft_vocab"])
         head.load_state_dict(tensors)
         return head.eval()

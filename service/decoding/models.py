@@ -46,14 +46,53 @@ DTYPES = {
 class FinalHiddenStates:
     """The input of a model's LM head (its final hidden states) in the model's latest forward, [B, T, d]
     (T as many positions as the logits). A forward pre-hook: it copies nothing, and it is installed once per
-    model however many batches read it."""
+    model however many batches read it.
+
+    A draft head that fuses earlier layers' features (EAGLE-3) asks for them with `capture_layers`: `latest`
+    is then [B, T, (len(layers) + 1) * d], the listed decoder layers' outputs followed by the final state,
+    cut to the positions the LM head saw."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        self.latest: torch.Tensor | None = None
+        self._final: torch.Tensor | None = None
+        self._model = model
+        self.layers: tuple[int, ...] = ()
+        self._outputs: dict[int, torch.Tensor] = {}
         model.get_output_embeddings().register_forward_pre_hook(self._record)
 
     def _record(self, module: torch.nn.Module, args: tuple) -> None:
-        self.latest = args[0]
+        self._final = args[0]
+
+    def capture_layers(self, layers: tuple[int, ...]) -> None:
+        """Also keep these decoder layers' outputs (idempotent; one set per model)."""
+        layers = tuple(layers)
+        if layers == self.layers:
+            return
+        if self.layers:
+            raise DecodingError(
+                f"this model's features are already captured from layers {self.layers}; a second draft head "
+                f"asks for {layers}"
+            )
+        decoder_layers = self._model.get_decoder().layers
+        if any(not 0 <= i < len(decoder_layers) for i in layers):
+            raise DecodingError(f"feature layers {layers} outside the model's {len(decoder_layers)} layers")
+        for i in layers:
+            decoder_layers[i].register_forward_hook(self._layer_hook(i))
+        self.layers = layers
+
+    def _layer_hook(self, index: int):
+        def hook(module: torch.nn.Module, args: tuple, output) -> None:
+            self._outputs[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @property
+    def latest(self) -> torch.Tensor | None:
+        final = self._final
+        if final is None or not self.layers:
+            return final
+        positions = final.shape[1]  # logits_to_keep may have cut the LM head's input to the last positions
+        parts = [self._outputs[i][:, -positions:].to(final.dtype) for i in self.layers]
+        return torch.cat([*parts, final], dim=-1)
 
 
 @dataclass

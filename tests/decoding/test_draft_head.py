@@ -216,3 +216,40 @@ def test_a_row_stops_drafting_where_the_head_is_unsure(words, head_drafter, monk
     expected = [int((products[:, j] >= bar).sum()) + 1 for j in range(2)]
     assert [len(d.tokens) for d in rows.propose(asks)] == [min(e, 6) for e in expected]
     assert expected[0] == 3
+
+
+def test_a_fused_head_is_handed_the_low_mid_and_final_states_of_the_verification_forward(tmp_path):
+    """EAGLE-3 fusion: the capture concatenates the chosen decoder layers' outputs and the final state at the
+    positions the LM head saw, and the batch hands a fused head exactly the features a fresh forward gives."""
+    model = make_word_model(seed=5, layers=4)
+    vocab = list(range(2, 12))
+    config = DraftHeadConfig(
+        hidden_size=model.model.config.hidden_size,
+        inner_size=48,
+        num_blocks=2,
+        draft_vocab_size=len(vocab),
+        target_vocab_hash=vocabulary_hash(model.tokenizer),
+        target_name=model.name,
+        feature_layers=(0, 2),
+    )
+    head = RecurrentDraftHead(config, torch.tensor(vocab))
+    head.save(tmp_path)
+    drafter = HeadDrafter(model, tmp_path)
+    assert drafter.head.feature_size == 3 * config.hidden_size
+    engine = Engine(model, {"head": drafter})
+    g = engine.generate(
+        [2, 3, 4, 5, 6], SamplingParams(max_tokens=12), SpeculativeConfig(method="sd"), "head"
+    )
+    list(run_alone(g))
+    with torch.inference_mode():
+        fresh = model.model.model(input_ids=torch.tensor([g.committed[:-1]]), output_hidden_states=True)
+    states = fresh.hidden_states  # [0] = embeddings, [i + 1] = layer i's output
+    expected = torch.cat([states[1][0, -1], states[3][0, -1], fresh.last_hidden_state[0, -1]])
+    torch.testing.assert_close(g.target_hidden, expected, atol=1e-4, rtol=1e-4)
+    # a second head on the same model asking for other layers is refused, not silently fed the wrong ones
+    other = RecurrentDraftHead(
+        DraftHeadConfig(**{**config.__dict__, "feature_layers": (1,)}), torch.tensor(vocab)
+    )
+    other.save(tmp_path / "other")
+    with pytest.raises(DecodingError, match="already captured"):
+        HeadDrafter(model, tmp_path / "other")

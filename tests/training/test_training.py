@@ -1,6 +1,6 @@
-"""The drafter training pipeline on a tiny model: the prompt corpus is disjoint from the benchmark, the
-distilled data is the target's own greedy answers and hidden states, and training produces a head that the
-service loads and that learned something."""
+"""The drafter training pipeline: a corpus the target writes itself (Magpie) that never overlaps the
+benchmark, stored as token ids; teacher-forced features equal to what serving hands the head; training on a
+tiny model writes a head the service loads, whose drafts are accepted, with a fused-layer variant too."""
 
 from __future__ import annotations
 
@@ -8,71 +8,141 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from service.decoding import Engine, HeadDrafter, SamplingParams, SpeculativeConfig, run_alone
+from service.decoding.text import encode_chat
 from tests.conftest import make_word_model
-from training.distill import answer_batch
-from training.prompts import bench_ngrams, grounded_prompts, ngrams, open_prompts
+from training.features import feature_layers, shard_features
+from training.magpie import (
+    Conversation,
+    CorpusConfig,
+    Filter,
+    _answer,
+    _user_prefix,
+    build_corpus,
+    read_shard,
+    shard_path,
+    write_shard,
+)
+from training.overlap import bench_ngrams, ngrams, overlaps
+from training.sampling import decode_batch
 from training.train_head import TrainConfig, rank_vocabulary, train
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def test_the_prompt_corpus_is_seeded_and_disjoint_from_every_bench_prompt():
+def test_the_filter_keeps_user_like_turns_and_drops_bench_overlaps_duplicates_and_loops():
     banned = bench_ngrams()
     assert len(banned) > 1000  # the bench sets were read
-    first = open_prompts(1300, seed=0, banned=banned)
-    assert first == open_prompts(1300, seed=0, banned=banned)
-    assert len({p["prompt"] for p in first}) == 1300
-    assert all(not (ngrams(p["prompt"]) & banned) for p in first)
-    # the filter has power: a bench prompt itself is caught
     from bench.workloads import DATA_DIR, read_jsonl
 
     chat = read_jsonl(DATA_DIR / "chat.jsonl")[0]["prompt"]
-    assert ngrams(chat) & banned
-    grounded = grounded_prompts([("tides", "The tides rise and fall twice a day.")], seed=0)
-    assert "The tides rise and fall twice a day." in grounded[0]["prompt"]
+    assert ngrams(chat) & banned and overlaps(chat, banned)
+    flt = Filter(banned)
+    assert flt.accept("How do I keep basil alive on a windowsill in winter?")
+    assert not flt.accept("How do I keep basil alive on a windowsill in winter?")  # duplicate opening
+    assert not flt.accept(chat)  # a bench prompt
+    assert not flt.accept("Hi")  # too short
+    assert not flt.accept("buy now " * 40)  # degenerate repetition
+    assert not flt.accept("Как приготовить борщ дома быстро и вкусно?")  # not the corpus' language
+    assert not flt.accept("What is this?<|im_start|>assistant\nIt is")  # the template leaked
+
+
+def test_magpie_samples_from_the_template_up_to_the_user_turn(embedded):
+    conv = Conversation(kind="system", messages=[{"role": "system", "content": "Be brief."}])
+    text = embedded.tokenizer.decode(_user_prefix(embedded, conv))
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+    conv = Conversation(kind="open", messages=[], pending="How do I")
+    text = embedded.tokenizer.decode(_user_prefix(embedded, conv))
+    assert text.endswith("<|im_start|>user\nHow do I") and "You are a helpful AI assistant" in text
+
+
+def test_answers_are_the_targets_greedy_answers_to_the_exact_prompt_ids(tiny):
+    convs = [
+        Conversation(kind="open", messages=[{"role": "user", "content": q}])
+        for q in ("Name a colour.", "What is a river? Answer in one line please.")
+    ]
+    _answer(tiny, convs, CorpusConfig(batch_size=2, max_answer_tokens=6))
+    engine = Engine(tiny)
+    for conv in convs:
+        (record,) = conv.records
+        assert record["prompt_ids"] == encode_chat(tiny.tokenizer, record["messages"])
+        g = engine.generate(
+            record["prompt_ids"], SamplingParams(max_tokens=6), SpeculativeConfig(method="vanilla")
+        )
+        list(run_alone(g))
+        assert record["answer_ids"] == [t.token_id for t in g.tokens][: len(record["answer_ids"])]
+        assert conv.messages[-1]["role"] == "assistant"  # a multi-turn follow-up sees the answer
+
+
+def test_sampled_turns_are_seeded_and_stop_at_the_stop_token(tiny):
+    prompts = [[1, 2, 3], [4, 5]]
+    first = decode_batch(tiny, prompts, 12, {7}, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    again = decode_batch(tiny, prompts, 12, {7}, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert first == again
+    for tokens, ended in first:
+        assert ended == (7 in tokens) and (not ended or tokens[-1] == 7)
+
+
+def test_the_corpus_resumes_shard_by_shard(tiny, tmp_path):
+    records = [{"kind": "open", "messages": [], "answer": "x", "prompt_ids": [1, 2], "answer_ids": [3]}]
+    write_shard(shard_path(tmp_path, 0), records)
+    # shard 0 exists, so nothing is generated for it; the budget stops shard 1 before it starts
+    built = build_corpus(tiny, tmp_path, 2, CorpusConfig(), set(), budget_seconds=-1)
+    assert built == [shard_path(tmp_path, 0)] and read_shard(built[0]) == records
 
 
 @pytest.fixture(scope="module")
 def words():
-    return make_word_model(seed=21, hidden=32)
+    return make_word_model(seed=21, hidden=32, layers=4)
 
 
-def test_distilled_answers_are_the_targets_greedy_answers_with_its_hidden_states(words):
-    prompts = [[2, 3, 4, 5], [6, 7], [8, 9, 10, 2, 3, 4]]
-    answers = answer_batch(words, prompts, max_new_tokens=10)
-    engine = Engine(words)
-    for prompt, (tokens, hidden) in zip(prompts, answers, strict=True):
-        g = engine.generate(prompt, SamplingParams(max_tokens=10), SpeculativeConfig(method="vanilla"))
+def _greedy_records(model, prompts, max_tokens):
+    engine = Engine(model)
+    records = []
+    for prompt in prompts:
+        g = engine.generate(
+            prompt, SamplingParams(max_tokens=max_tokens), SpeculativeConfig(method="vanilla")
+        )
         list(run_alone(g))
-        assert tokens == [prompt[-1]] + [t.token_id for t in g.tokens]
-        # hidden[i] is the target's final hidden state at the position before tokens[i]
-        sequence = prompt[:-1] + tokens
+        records.append({"prompt_ids": prompt, "answer_ids": [t.token_id for t in g.tokens]})
+    return records
+
+
+def test_features_are_the_states_serving_hands_the_head(words, tmp_path):
+    records = _greedy_records(words, [[2, 3, 4, 5], [6, 7], [8, 9, 10, 2, 3, 4]], 10)
+    out = tmp_path / "f.safetensors"
+    assert shard_features(words, records, out, batch_size=2) == sum(len(r["answer_ids"]) + 1 for r in records)
+    from safetensors.torch import load_file
+
+    data = load_file(str(out))
+    offsets = data["offsets"].tolist()
+    low, mid = feature_layers(len(words.model.model.layers))
+    for i, record in enumerate(records):
+        sequence = record["prompt_ids"] + record["answer_ids"]
         with torch.inference_mode():
-            fresh = words.model.model(input_ids=torch.tensor([sequence])).last_hidden_state[0]
-        start = len(prompt) - 2
-        torch.testing.assert_close(hidden, fresh[start : start + len(tokens)], atol=1e-4, rtol=1e-4)
+            fresh = words.model.model(input_ids=torch.tensor([sequence]), output_hidden_states=True)
+        start, span = len(record["prompt_ids"]) - 2, slice(offsets[i], offsets[i + 1])
+        n = offsets[i + 1] - offsets[i]
+        assert data["tokens"][span].tolist() == [record["prompt_ids"][-1], *record["answer_ids"]]
+        # hidden[i] is the final hidden state at the position before tokens[i] (bf16 storage)
+        for key, expected in (
+            ("hidden", fresh.last_hidden_state[0]),
+            ("hidden_low", fresh.hidden_states[low + 1][0]),  # hidden_states[0] is the embeddings
+            ("hidden_mid", fresh.hidden_states[mid + 1][0]),
+        ):
+            torch.testing.assert_close(
+                data[key][span].float(), expected[start : start + n], atol=0.05, rtol=0.02
+            )
 
 
-def test_training_writes_a_head_that_learned_and_loads(words, tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["final", "fused"])
+def test_training_writes_a_head_that_learned_and_loads(words, tmp_path, fused):
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 12, (5,), generator=generator).tolist() for _ in range(24)]
-    answers = answer_batch(words, prompts, max_new_tokens=16)
-    tokens = [torch.tensor(t, dtype=torch.int32) for t, _ in answers]
-    offsets = [0]
-    for t in tokens:
-        offsets.append(offsets[-1] + len(t))
+    records = _greedy_records(words, prompts, 16)
     data = tmp_path / "data.safetensors"
-    save_file(
-        {
-            "tokens": torch.cat(tokens),
-            "hidden": torch.cat([h for _, h in answers]).to(torch.bfloat16),
-            "offsets": torch.tensor(offsets),
-        },
-        str(data),
-    )
+    shard_features(words, records, data)
     config = TrainConfig(
         epochs=100,
         batch_size=64,
@@ -82,17 +152,22 @@ def test_training_writes_a_head_that_learned_and_loads(words, tmp_path):
         warmup_steps=5,
         lr=3e-3,
         bf16=False,
+        fuse_layers=fused,
     )
     report = train(words, [data], tmp_path / "head", config)
     history = report["history"]
     assert history[-1]["loss"] < history[0]["loss"]
-    assert report["held_out"]["positions"] > 0
+    held = report["held_out"]
+    assert held["positions"] > 0 and 1.0 <= held["served_tokens_per_forward"] <= 7.0
+    assert report["confidence_calibration"]["temperature"] > 0
     card = (tmp_path / "head" / "README.md").read_text()
-    assert "Held-out" in card and json.loads((tmp_path / "head" / "training.json").read_text())["steps"] > 0
+    assert "Predicted for serving" in card and json.loads((tmp_path / "head" / "training.json").read_text())
+    saved = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert (saved["feature_layers"] != []) == fused
     assert history[-1]["train_accuracy_per_step"][0] > 0.8  # it fits its data
-    # The service loads it, and serving feeds it what training did (the same hidden state and token at
-    # each step; an off-by-one would show here): on the prompts it was trained on, its drafts are accepted
-    # far more often than an untrained head's.
+    # The service loads it, and serving feeds it what training did (the same features and token at each
+    # step; an off-by-one would show here): on the prompts it was trained on, its drafts are accepted far
+    # more often than an untrained head's.
     train(words, [data], tmp_path / "untrained", TrainConfig(**{**config.__dict__, "epochs": 0}))
     rates = []
     for folder in ("head", "untrained"):
@@ -105,7 +180,7 @@ def test_training_writes_a_head_that_learned_and_loads(words, tmp_path):
             g = engine.generate(prompt, SamplingParams(max_tokens=16), spec, "head")
             list(run_alone(g))
             accepted, drafted = accepted + g.stats.num_accepted, drafted + g.stats.num_draft_tokens
-        rates.append(accepted / drafted)
+        rates.append(accepted / max(1, drafted))
     assert rates[0] > 0.8 > 0.5 > rates[1], rates
 
 

@@ -45,6 +45,7 @@ class HeadDrafter:
         if head.config.hidden_size != target.model.config.hidden_size:
             raise DecodingError("the draft head's hidden size does not match the target model's")
         model = target.model
+        target.final_hidden.capture_layers(head.config.feature_layers)  # what the batch hands the head
         dtype = next(model.parameters()).dtype
         device = target.device
         head = head.to(device=device, dtype=dtype)
@@ -72,7 +73,9 @@ class HeadRows(Stateless):
         if not ready:
             return drafts
         head = self.drafter.head
-        state = torch.stack([rows[i].target_hidden for i in ready]).to(head.lm_rows.dtype)
+        features = torch.stack([rows[i].target_hidden for i in ready]).to(head.lm_rows.dtype)
+        state = head.initial_state(features)
+        temperature = head.config.confidence_temperature
         last = torch.tensor([rows[i].committed[-1] for i in ready], device=state.device)
         greedy = all(rows[i].sampling.greedy for i in ready)
         limits = [rows[i].max_tokens for i in ready]
@@ -83,7 +86,8 @@ class HeadRows(Stateless):
         for position in range(max(limits)):
             state, logits = head.step(state, last)
             if greedy:  # the usual case: one argmax and one softmax for all rows
-                top_probs, top = torch.softmax(logits.float(), -1).max(-1)
+                top = logits.argmax(-1)
+                top_probs = torch.softmax(logits.float() / temperature, -1).gather(-1, top[:, None])[:, 0]
                 picks_t = head.draft_vocab[top]
                 picks, confidences = picks_t.tolist(), top_probs.tolist()
             else:
@@ -91,7 +95,7 @@ class HeadRows(Stateless):
                 for j, i in enumerate(ready):
                     row = rows[i]
                     if row.sampling.greedy:
-                        confidence, pick = torch.softmax(logits[j].float(), -1).max(-1)
+                        confidence, pick = torch.softmax(logits[j].float() / temperature, -1).max(-1)
                         token, p = int(head.draft_vocab[pick]), None
                     else:
                         full = head.full_logits(logits[j].float(), self.drafter.vocab_size)

@@ -1,0 +1,79 @@
+"""`python -m training.evaluate`: a draft head's teacher-forced figures on prompts no training corpus saw.
+
+The benchmark's own evaluation prompts (bench/data/chat.jsonl and grounded.jsonl; the corpus filter keeps
+every training prompt 8-word-disjoint from them) are answered greedily by the target in the serving dtype
+(exactly vanilla's output), their features computed as for training, and each head is scored with
+`train_head.evaluate`: accuracy per draft step and the tokens per target forward that serving with the head's
+own stop rule would give. Timing-free, so it is a fair comparison of heads on a busy machine, and it is the
+check of the model card's prediction (the card predicts from held-out corpus answers).
+
+    python -m training.evaluate --head service/decoding/draft_heads/smollm2-135m-instruct --head OTHER
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+WORK = Path("training/runs/unseen")
+
+
+def answers(target, workload: str, max_tokens: int, limit: int | None) -> list[dict]:
+    from bench.workloads import DATA_DIR, read_jsonl
+    from service.decoding.text import encode_chat
+    from training.sampling import decode_batch
+
+    items = read_jsonl(DATA_DIR / f"{workload}.jsonl")[:limit]
+    stop = target.eos_token_ids()
+    records = []
+    for first in range(0, len(items), 16):
+        chunk = items[first : first + 16]
+        prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": i["prompt"]}]) for i in chunk]
+        for prompt, (tokens, _) in zip(prompts, decode_batch(target, prompts, max_tokens, stop), strict=True):
+            records.append({"prompt_ids": prompt, "answer_ids": tokens})
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--head", type=Path, action="append", required=True, help="a head folder (repeatable)"
+    )
+    parser.add_argument("--workloads", default="chat,grounded")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--limit", type=int, default=None, help="prompts per workload")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work", type=Path, default=WORK, help="cache of the answers and features")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+
+    from service.decoding.draft_head import RecurrentDraftHead
+    from service.decoding.models import load_model
+    from training.features import shard_features
+    from training.train_head import TrainConfig, _positions, evaluate, load_data
+
+    target = load_model("embedded")
+    embed = target.model.get_input_embeddings().weight.detach().float()
+    lm_head = target.model.get_output_embeddings().weight.detach().float()
+    results: dict = {}
+    for workload in args.workloads.split(","):
+        features = args.work / f"{workload}-{args.max_tokens}-{args.limit}.safetensors"
+        if not features.exists():
+            shard_features(target, answers(target, workload, args.max_tokens, args.limit), features)
+        for folder in args.head:
+            head = RecurrentDraftHead.load(folder).bind(embed, lm_head)
+            data, spans = load_data([features], fused=bool(head.config.feature_layers))
+            remap = torch.full((int(data.tokens.max()) + 1,), -100, dtype=torch.long)
+            figures = evaluate(head, data, _positions(spans), remap, TrainConfig())
+            results.setdefault(str(folder), {})[workload] = figures
+            print(f"{workload:9s} {str(folder):60s} {json.dumps(figures)}", flush=True)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
