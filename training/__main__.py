@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="work folder (resumable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--shards", type=int, default=24, help="corpus shards to build (384 conversations each)"
+        "--shards", type=int, default=24, help="corpus shards to build (192 conversations each)"
     )
     parser.add_argument(
         "--budget-minutes", type=float, default=None, help="stop starting corpus shards after this long"
@@ -39,10 +39,16 @@ def main(argv: list[str] | None = None) -> None:
         "recomputed in the serving dtype, so only near-ties in the text differ)",
     )
     parser.add_argument(
-        "--threads", type=int, default=2, help="torch threads (default 2: this machine's cores)"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared 2-core machine a second thread waits for the other jobs)",
     )
     parser.add_argument("--epochs", type=float, default=2.0)
     parser.add_argument("--fuse-layers", action="store_true", help="EAGLE-3 style low+mid+final features")
+    parser.add_argument(
+        "--init-from", type=Path, default=None, help="start from this head (its weights and draft vocabulary)"
+    )
     parser.add_argument(
         "--draft-vocab", type=int, default=8192, help="frequency-ranked draft vocabulary size"
     )
@@ -97,7 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     head_dir = work / ("head-fused" if args.fuse_layers else "head")
     if not (head_dir / "model.safetensors").exists():
         config = TrainConfig(
-            seed=args.seed, epochs=args.epochs, draft_vocab=args.draft_vocab, fuse_layers=args.fuse_layers
+            seed=args.seed,
+            epochs=args.epochs,
+            draft_vocab=args.draft_vocab,
+            fuse_layers=args.fuse_layers,
+            init_from=args.init_from,
         )
         train(target, feature_files, head_dir, config)
     _save_timings(work, timings)

@@ -244,7 +244,7 @@ class Conversation:
 @dataclass
 class CorpusConfig:
     seed: int = 0
-    shard_size: int = 384
+    shard_size: int = 192
     batch_size: int = 96
     max_answer_tokens: int = 192
     temperature: float = 1.0
@@ -307,6 +307,7 @@ def _sample_user_turns(
     prefixed = [(c, _user_prefix(target, c)) for c in convs]
     for batch in _batches(prefixed, config.batch_size, key=lambda p: len(p[1])):
         limit = PASSAGE_TOKENS if any(c.pending for c, _ in batch) else USER_TURN_TOKENS
+        log.info("sampling %d user turns (prefixes of %d tokens)", len(batch), len(batch[-1][1]))
         outs = decode_batch(
             target,
             [ids for _, ids in batch],
@@ -330,6 +331,7 @@ def _answer(target: LoadedModel, convs: list[Conversation], config: CorpusConfig
     stop = _stop_ids(target)
     prompts = [(c, encode_chat(target.tokenizer, c.messages)) for c in convs]
     for batch in _batches(prompts, config.batch_size, key=lambda p: len(p[1])):
+        log.info("answering %d prompts (of %d tokens)", len(batch), len(batch[-1][1]))
         outs = decode_batch(target, [ids for _, ids in batch], config.max_answer_tokens, stop)
         for (conv, prompt_ids), (tokens, ended) in zip(batch, outs, strict=True):
             text = target.tokenizer.decode(tokens, skip_special_tokens=True).strip()

@@ -48,9 +48,11 @@ class TrainConfig:
     holdout_share: float = 0.03
     eval_positions: int = 8192
     bf16: bool = True  # autocast on CPUs with bf16 matmuls (AVX512-BF16 / AMX) and on GPUs
-    fuse_layers: bool = (
-        False  # EAGLE-3's low + mid + final features (training.features) instead of final only
-    )
+    # EAGLE-3's low + mid + final features (training.features) instead of the final state only
+    fuse_layers: bool = False
+    # start from this head's weights and draft vocabulary (a fine-tune: new data, or fusion added to a trained
+    # head, whose fusion layer then starts at zero, i.e. exactly the old head)
+    init_from: Path | None = None
 
 
 @dataclass
@@ -252,7 +254,13 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
     eval_spans = [spans[i] for i in order[: (held + 1) // 2]]
     calibration_spans = [spans[i] for i in order[(held + 1) // 2 : held]] or eval_spans
     train_spans = [spans[i] for i in order[held:]]
-    draft_vocab, coverage = rank_vocabulary(data.tokens, train_spans, config.draft_vocab)
+    start = RecurrentDraftHead.load(config.init_from) if config.init_from else None
+    if start is not None:
+        draft_vocab = start.draft_vocab
+        labels = torch.cat([data.tokens[a + 1 : b] for a, b in train_spans])
+        coverage = float(torch.isin(labels, draft_vocab).float().mean())
+    else:
+        draft_vocab, coverage = rank_vocabulary(data.tokens, train_spans, config.draft_vocab)
     remap = torch.full((int(data.tokens.max()) + 1,), -100, dtype=torch.long)
     remap[draft_vocab] = torch.arange(len(draft_vocab))
     log.info(
@@ -276,7 +284,18 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
         rms_norm_eps=float(getattr(model.config, "rms_norm_eps", 1e-5)),
         feature_layers=feature_layers(model.config.num_hidden_layers) if config.fuse_layers else (),
     )
-    head = RecurrentDraftHead(head_config, draft_vocab).bind(embed, lm_head)
+    if start is not None:
+        head_config = dataclasses.replace(
+            head_config, inner_size=start.config.inner_size, num_blocks=start.config.num_blocks
+        )
+    head = RecurrentDraftHead(head_config, draft_vocab)
+    if start is not None:
+        missing, unexpected = head.load_state_dict(start.state_dict(), strict=False)
+        if unexpected or any(not k.startswith(("fuse", "feature_norms")) for k in missing):
+            raise ValueError(
+                f"cannot start from {config.init_from}: {missing} missing, {unexpected} unexpected"
+            )
+    head = head.bind(embed, lm_head)
     head.train()
     train_starts = _positions(train_spans)
     eval_starts = _positions(eval_spans)
@@ -336,7 +355,7 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
         held_out = evaluate(head, data, eval_starts, remap, config)
     log.info("held out: %s", held_out)
     report = {
-        "config": asdict(config),
+        "config": {**asdict(config), "init_from": str(config.init_from) if config.init_from else None},
         "data": {
             "files": [str(f) for f in files],
             "answers": len(spans),

@@ -182,6 +182,15 @@ def test_training_writes_a_head_that_learned_and_loads(words, tmp_path, fused):
             accepted, drafted = accepted + g.stats.num_accepted, drafted + g.stats.num_draft_tokens
         rates.append(accepted / max(1, drafted))
     assert rates[0] > 0.8 > 0.5 > rates[1], rates
+    # A head started from another keeps its weights and draft vocabulary; fusion added on top starts as the
+    # identity, so before any step the fused head drafts exactly as the one it started from.
+    warm = TrainConfig(
+        **{**config.__dict__, "epochs": 0, "fuse_layers": True, "init_from": tmp_path / "head"}
+    )
+    started = train(words, [data], tmp_path / "warm", warm)
+    trained = json.loads((tmp_path / "head" / "training.json").read_text())
+    for key in ("accuracy_per_step", "served_tokens_per_forward"):
+        assert started["held_out"][key] == trained["held_out"][key]
 
 
 def test_the_draft_vocabulary_ranks_answer_tokens_by_frequency():
