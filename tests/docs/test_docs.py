@@ -3,6 +3,7 @@ left out of the nav, no missing include (mkdocs.yml sets `strict` and the valida
 run here with --strict as well, so the test holds even if the config is loosened)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,13 @@ def test_a_broken_link_fails_the_build(tmp_path):
     result = _build(tmp_path, tmp_path / "mkdocs.yml")
     assert result.returncode != 0
     assert "no-such-page.md" in result.stdout + result.stderr
+
+
+def test_readme_links_point_at_files_that_exist():
+    """README is not part of the site, so the strict build does not see its links: check them here."""
+    readme = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    local = [link.split("#")[0] for link in links if not re.match(r"[a-z]+:", link)]
+    assert "docs/index.md" in local
+    missing = [link for link in local if link and not (REPO / link).exists()]
+    assert not missing, missing
