@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test run lint bench bench-quick clean
+.PHONY: setup test run lint bench bench-quick docs docs-serve clean
 
 $(BIN)/csd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,5 +35,12 @@ bench: setup
 bench-quick: setup
 	$(BIN)/python -m bench --quick
 
+# The documentation site (mkdocs.yml, docs/): a strict build into site/, or served with live reload.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve
+
 clean:
-	rm -rf $(VENV) .pytest_cache test-output
+	rm -rf $(VENV) .pytest_cache test-output site
