@@ -414,6 +414,6 @@ target's and are not stored here.
 - **Predicted for serving** (greedy, `--drafter head`, the head's stop rule simulated):
   {held["served_tokens_per_forward"]} tokens per target forward, {100 * held["served_acceptance"]:.1f} % of
   {held["served_draft_length"]} drafted tokens per round accepted. The benchmark measures the same on prompts
-  the corpus never saw (README).
-- Reproduce: `python -m training` (README, "The trained drafter").
+  the corpus never saw (docs/drafters.md).
+- Reproduce: `python -m training` (docs/drafters.md).
 """

@@ -1,6 +1,6 @@
 """A recurrent draft head on the target's final hidden state: the trained drafter for the embedded model.
 
-Design (argued with measurements in README, "The trained drafter"):
+Design (argued with measurements in docs/drafters.md):
 - Like Apple's ReDrafter (Cheng et al., 2024, arXiv 2403.09919), the drafter is a small recurrent network
   that starts from the target's own final hidden state h (the input of its LM head) at the position that
   chose the round's last token, and unrolls one step per draft token:

@@ -10,7 +10,7 @@ tokens mean different things:
 - names: capitalised words ("Paris", "Lindqvist"), except the common words that begin sentences ("The",
   "This", "However", ...), which are the formatting and connective rescues CSD is for.
 It is a heuristic over the vocabulary, computed once per tokenizer; the benchmark measures what it blocks
-and what it costs (README, "Rescues that change facts"). The divergence is still recorded in the OCM.
+and what it costs (docs/drafters.md). The divergence is still recorded in the OCM.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Structured output: a grammar engine constrains every position a round verifies, drafts included.
 
 The engine is llguidance (Microsoft's Rust grammar engine: JSON Schema, regular expressions and Lark
-grammars). Chosen over xgrammar by `python -m bench.grammar_engines` on the served tokenizer (README
+grammars). Chosen over xgrammar by `python -m bench.grammar_engines` on the served tokenizer (docs/openai-api.md,
 "Structured output"): both compute a next-token mask in microseconds (<0.1 % of a target forward), but
 llguidance compiles a schema ~5x faster (0.5 vs 2.7 ms, paid per request), takes regex and Lark grammars
 natively, and brings no dependencies, where xgrammar pulls triton and a TVM runtime.

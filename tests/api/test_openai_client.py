@@ -99,7 +99,7 @@ def test_chat_stop_sequence_ends_the_text(client: openai.OpenAI, model: str) -> 
 
 def test_sampling_with_a_seed_repeats(client: openai.OpenAI, model: str) -> None:
     # vanilla: with speculation the seed fixes the random stream, but the draft lengths the adaptive policy
-    # picks (learnt from the traffic before) decide how it is consumed (README, "seed")
+    # picks (learnt from the traffic before) decide how it is consumed (docs/openai-api.md, "seed")
     kwargs = dict(
         model=model,
         messages=CHAT,
