@@ -45,9 +45,17 @@ def main(argv: list[str] | None = None) -> None:
         help="torch threads (default 1: on a shared 2-core machine a second thread waits for the other jobs)",
     )
     parser.add_argument("--epochs", type=float, default=2.0)
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (lower for a fine-tune)")
+    parser.add_argument("--head-name", default=None, help="the head's folder in the work folder")
     parser.add_argument("--fuse-layers", action="store_true", help="EAGLE-3 style low+mid+final features")
     parser.add_argument(
         "--init-from", type=Path, default=None, help="start from this head (its weights and draft vocabulary)"
+    )
+    parser.add_argument(
+        "--extend-vocab",
+        type=int,
+        default=0,
+        help="with --init-from: add this many of the data's most frequent tokens to the head's draft vocabulary",
     )
     parser.add_argument(
         "--draft-vocab", type=int, default=8192, help="frequency-ranked draft vocabulary size"
@@ -100,14 +108,16 @@ def main(argv: list[str] | None = None) -> None:
 
     from training.train_head import TrainConfig, train
 
-    head_dir = work / ("head-fused" if args.fuse_layers else "head")
+    head_dir = work / (args.head_name or ("head-fused" if args.fuse_layers else "head"))
     if not (head_dir / "model.safetensors").exists():
         config = TrainConfig(
             seed=args.seed,
             epochs=args.epochs,
+            lr=args.lr,
             draft_vocab=args.draft_vocab,
             fuse_layers=args.fuse_layers,
             init_from=args.init_from,
+            extend_vocab=args.extend_vocab,
         )
         train(target, feature_files, head_dir, config)
     _save_timings(work, timings)

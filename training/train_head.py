@@ -53,6 +53,9 @@ class TrainConfig:
     # start from this head's weights and draft vocabulary (a fine-tune: new data, or fusion added to a trained
     # head, whose fusion layer then starts at zero, i.e. exactly the old head)
     init_from: Path | None = None
+    # with init_from: add the N most frequent answer tokens of this data to the start head's draft vocabulary
+    # (the head's own weights do not depend on the vocabulary: only the target's LM-head rows it projects on)
+    extend_vocab: int = 0
 
 
 @dataclass
@@ -257,6 +260,9 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
     start = RecurrentDraftHead.load(config.init_from) if config.init_from else None
     if start is not None:
         draft_vocab = start.draft_vocab
+        if config.extend_vocab:
+            frequent, _ = rank_vocabulary(data.tokens, train_spans, config.extend_vocab)
+            draft_vocab = torch.unique(torch.cat([draft_vocab, frequent]))  # sorted, like a ranked one
         labels = torch.cat([data.tokens[a + 1 : b] for a, b in train_spans])
         coverage = float(torch.isin(labels, draft_vocab).float().mean())
     else:
@@ -290,8 +296,9 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
         )
     head = RecurrentDraftHead(head_config, draft_vocab)
     if start is not None:
-        missing, unexpected = head.load_state_dict(start.state_dict(), strict=False)
-        if unexpected or any(not k.startswith(("fuse", "feature_norms")) for k in missing):
+        weights = {k: v for k, v in start.state_dict().items() if k != "draft_vocab"}
+        missing, unexpected = head.load_state_dict(weights, strict=False)
+        if unexpected or any(not k.startswith(("fuse", "feature_norms", "draft_vocab")) for k in missing):
             raise ValueError(
                 f"cannot start from {config.init_from}: {missing} missing, {unexpected} unexpected"
             )

@@ -191,6 +191,14 @@ def test_training_writes_a_head_that_learned_and_loads(words, tmp_path, fused):
     trained = json.loads((tmp_path / "head" / "training.json").read_text())
     for key in ("accuracy_per_step", "served_tokens_per_forward"):
         assert started["held_out"][key] == trained["held_out"][key]
+    # and its draft vocabulary can grow by the new data's frequent tokens (the head's weights don't depend on it)
+    small = TrainConfig(**{**config.__dict__, "epochs": 0, "draft_vocab": 4})
+    train(words, [data], tmp_path / "small", small)
+    grown = TrainConfig(**{**small.__dict__, "init_from": tmp_path / "small", "extend_vocab": 10})
+    train(words, [data], tmp_path / "grown", grown)
+    before = json.loads((tmp_path / "small" / "config.json").read_text())["draft_vocab_size"]
+    after = json.loads((tmp_path / "grown" / "config.json").read_text())["draft_vocab_size"]
+    assert before == 4 < after <= 10
 
 
 def test_the_draft_vocabulary_ranks_answer_tokens_by_frequency():
