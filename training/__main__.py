@@ -1,6 +1,6 @@
 """`python -m training`: the whole drafter pipeline, one command, seeded; every stage resumes where it stopped.
 
-1. corpus: the target writes user turns and answers them (training.magpie)     work/corpus/corpus-NNNN.jsonl.gz
+1. corpus: the target writes user turns and answers them (training.magpie)     --corpus/corpus-NNNN.jsonl.gz
    token ids and texts only, one shard at a time: `--budget-minutes` spreads generation over several runs
 2. features: teacher-forced target hidden states per shard (training.features)   work/features/NNNN.safetensors
 3. train the draft head (training.train_head)                                    work/head/
@@ -19,12 +19,16 @@ import time
 from pathlib import Path
 
 DEFAULT_WORK = Path("training/runs/smollm2-135m")
+# The corpus is the expensive part (generation) and small as token ids: it is committed, so a later run
+# resumes it where the last one stopped instead of writing it again.
+DEFAULT_CORPUS = Path("training/corpus/smollm2-135m")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded", help="the target model spec (default: embedded)")
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="work folder (resumable)")
+    parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="corpus shards (committed)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--shards", type=int, default=24, help="corpus shards to build (192 conversations each)"
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     for shard in range(args.shards):
         left = None if budget is None else budget - (time.perf_counter() - started)
         t0 = time.perf_counter()
-        built = build_corpus(writer, work / "corpus", shard + 1, CorpusConfig(seed=args.seed), banned, left)
+        built = build_corpus(writer, args.corpus, shard + 1, CorpusConfig(seed=args.seed), banned, left)
         timings["corpus_s"] = timings.get("corpus_s", 0.0) + time.perf_counter() - t0
         if len(built) <= shard:
             break
