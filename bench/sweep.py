@@ -103,10 +103,11 @@ def run_sweep(bench: Bench) -> dict:
             "drafter": d,
             "tau": tau,
             "lambda": lam,
-            **figures[(d, tau, lam)],
+            "guarded": guarded,
+            **figures[(d, tau, lam, guarded)],
             "sd_tokens_per_forward": figures[d]["tokens_per_forward"],
         }
-        for d, tau, lam in grid
+        for d, tau, lam, guarded in grid
     ]
     return {
         "prompts": [item.get("id") for item in items],
