@@ -402,7 +402,9 @@ def quality_goals(report: dict) -> list[dict]:
             text,
             None if not active else not any(turns.values()),
             "-" if not guarded else ", ".join(f"{c} {n}" for c, n in turns.items()),
-            (f"unguarded: {reference}" if reference else "") + ("" if active else IDLE_NOTE),
+            "; ".join(
+                x for x in (f"unguarded: {reference}" if reference else "", "" if active else IDLE_NOTE) if x
+            ),
             19,
         )
     )
