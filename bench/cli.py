@@ -1,7 +1,8 @@
 """`python -m bench`: one command runs every experiment and writes the report.
 
 Phases: calibrate an OCM on the calibration prompts, once per drafter (exactly `csd calibrate`'s code path),
-warm up, run every method on every workload interleaved per prompt, check losslessness, sweep tau / lambda,
+warm up, run every method on every workload interleaved per prompt, check losslessness, sweep tau / lambda
+(on held-out calibration prompts),
 replay the grounded suite through CSD from a cold OCM, profile the forward and each drafter, then write
 bench/results/<timestamp>/ (report.json, report.md, outputs.jsonl, PNG plots) and print the markdown table.
 
@@ -70,10 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau", type=float)
     p.add_argument("--calibration-prompts", type=int, help="how many calibration prompts (default: all 85)")
     p.add_argument("--calibration-max-tokens", type=int)
-    p.add_argument("--sweep-taus", type=_floats, help="comma-separated (default 0.001,0.01,0.05,0.1)")
-    p.add_argument("--sweep-lambdas", type=_floats, help="comma-separated (default 2,4,6,8,12)")
+    p.add_argument("--sweep-taus", type=_floats, help="comma-separated (default 0.01,0.05,0.1,0.3)")
+    p.add_argument("--sweep-lambdas", type=_floats, help="comma-separated (default 2,6,12)")
     p.add_argument(
-        "--sweep-prompts", type=int, help="grounded and QA prompts each in the sweep (0: no sweep)"
+        "--sweep-prompts",
+        type=int,
+        help="held-out calibration prompts in the tau / lambda sweep (default 8; 0: no sweep)",
     )
     p.add_argument(
         "--replay-passes", type=int, help="online-learning passes over the grounded suite (0: none)"

@@ -16,8 +16,8 @@ class BenchError(Exception):
     """A user-facing failure (bad option, missing package): printed as one line."""
 
 
-SWEEP_TAUS = (0.001, 0.01, 0.05, 0.1)
-SWEEP_LAMBDAS = (2, 4, 6, 8, 12)
+SWEEP_TAUS = (0.01, 0.05, 0.1, 0.3)
+SWEEP_LAMBDAS = (2, 6, 12)
 
 
 @dataclass
@@ -40,10 +40,12 @@ class BenchConfig:
     # OCM calibration on bench/data/calibration.jsonl (never the evaluation prompts)
     calibration_prompts: int | None = None
     calibration_max_tokens: int = 128
-    # tau/lambda sweep on the first prompts of the grounded and qa workloads
+    # tau/lambda sweep on the last calibration prompts, held out of the OCM calibration (bench/sweep.py)
     sweep_taus: tuple[float, ...] = SWEEP_TAUS
     sweep_lambdas: tuple[float, ...] = SWEEP_LAMBDAS
-    sweep_prompts: int = 12  # per workload (grounded, qa)
+    sweep_prompts: int = 8
+    sweep_drafters: tuple[str, ...] = ()  # () : every drafter the run has
+    sweep_unguarded: bool = False  # one more point per drafter: the run's tau / lambda without the guards
     # online learning: the grounded suite, shuffled, replayed this many times through csd from a cold OCM
     replay_passes: int = 3
     replay_prompts: int | None = None

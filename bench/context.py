@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,21 +99,36 @@ class Bench:
             self._scorer = LogLikelihoodScorer(self.target)
         return self._scorer
 
-    def engines(self) -> dict[str | None, Engine]:
-        """Fresh engines for one experiment: OCM "cold" (empty), "calibrated" (a copy), None (no OCM).
-
-        Both OCMs keep learning online while the experiment serves, as they would in the service.
-        """
-        return {
-            None: Engine(self.target, dict(self.drafters)),
-            "cold": engine_with_store(self.target, self.drafters, InMemoryStore()),
-            "calibrated": engine_with_store(self.target, self.drafters, copy_store(self.calibrated)),
-            # each with a policy of its own, so one method's acceptance never steers another's drafts
-            "adaptive": Engine(self.target, dict(self.drafters), policy=DraftPolicy(self.forward_costs)),
-            "calibrated-adaptive": engine_with_store(
+    def engine(self, ocm: str | None) -> Engine:
+        """A fresh engine: OCM "cold" (empty), "calibrated" (a copy of the calibrated one), None (no OCM);
+        the "-adaptive" kinds with a draft policy of their own. Every OCM keeps learning online while its
+        engine serves, as it would in the service."""
+        if ocm is None:
+            return Engine(self.target, dict(self.drafters))
+        if ocm == "cold":
+            return engine_with_store(self.target, self.drafters, InMemoryStore())
+        if ocm == "calibrated":
+            return engine_with_store(self.target, self.drafters, copy_store(self.calibrated))
+        if ocm == "adaptive":
+            return Engine(self.target, dict(self.drafters), policy=DraftPolicy(self.forward_costs))
+        if ocm == "calibrated-adaptive":
+            return engine_with_store(
                 self.target, self.drafters, copy_store(self.calibrated), DraftPolicy(self.forward_costs)
-            ),
+            )
+        raise ValueError(f"unknown OCM kind {ocm!r}")
+
+    def engines(self, specs: Sequence[MethodSpec] = ()) -> dict[str | None, Engine]:
+        """Fresh engines for one experiment, one per OCM kind; and, for each of `specs` that has an OCM or a
+        draft policy, one of its own under its label: no column learns from another's rescues or
+        acceptance, so the order of the columns changes nothing."""
+        engines: dict[str | None, Engine] = {
+            kind: self.engine(kind)
+            for kind in (None, "cold", "calibrated", "adaptive", "calibrated-adaptive")
         }
+        for spec in specs:
+            if spec.ocm is not None:
+                engines[spec.label] = self.engine(spec.ocm)
+        return engines
 
     def run(
         self,
@@ -128,4 +144,5 @@ class Bench:
             return run_hf(
                 self.target, spec, prompt_ids, max_tokens, speculative.num_speculative_tokens, self.draft
             )
-        return run_engine(engines[spec.ocm], spec, prompt_ids, max_tokens, speculative)
+        engine = engines[spec.label] if spec.label in engines else engines[spec.ocm]
+        return run_engine(engine, spec, prompt_ids, max_tokens, speculative)

@@ -6,15 +6,19 @@ model object, with the methods interleaved per prompt.
 
 from __future__ import annotations
 
+import difflib
 import math
 import random
-from collections.abc import Sequence
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from bench.runners import RunOutput
 from service.decoding import LoadedModel
+from service.decoding.fact_guard import COMMON_CAPITALISED
 
 # ---------------------------------------------------------------- intervals
 
@@ -255,3 +259,134 @@ def explain_mismatch(
         prompt_id, method, i, v, o, decode([v]) if v is not None else "<end>",
         decode([o]) if o is not None else "<end>", gap,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------- noise bands
+
+
+def bootstrap_interval(
+    n: int, statistic: Callable[[Sequence[int]], float | None], resamples: int = 2000, seed: int = 0
+) -> tuple[float | None, float | None, float | None]:
+    """statistic over all n items, with a 95 % percentile bootstrap interval (items resampled with
+    replacement). `statistic(indices)` may return None for a resample it cannot judge (left out)."""
+    if n == 0:
+        return (None, None, None)
+    value = statistic(range(n))
+    rng = random.Random(seed)
+    values = sorted(
+        v
+        for v in (statistic([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
+        if v is not None
+    )
+    if not values:
+        return (value, None, None)
+    return (value, values[int(0.025 * len(values))], values[max(0, int(0.975 * len(values)) - 1)])
+
+
+def ratio_of_sums(
+    numerator: Sequence[float], denominator: Sequence[float]
+) -> Callable[[Sequence[int]], float | None]:
+    """The statistic sum(numerator[i]) / sum(denominator[i]) over the resampled items."""
+
+    def statistic(indices: Sequence[int]) -> float | None:
+        den = sum(denominator[i] for i in indices)
+        return sum(numerator[i] for i in indices) / den if den else None
+
+    return statistic
+
+
+# ---------------------------------------------------------------- facts in outputs
+
+MONTHS = (
+    "January|February|March|April|May|June|July|August|September|October|November|December|"
+    "Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec"
+)
+WEEKDAYS = "Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday"
+_DATE = re.compile(
+    rf"\b(?:(?:{MONTHS})\.?\s+\d{{1,2}}(?:st|nd|rd|th)?(?:,?\s+\d{{4}})?|\d{{1,2}}(?:st|nd|rd|th)?\s+(?:of\s+)?(?:{MONTHS})"
+    rf"(?:,?\s+\d{{4}})?|(?:{MONTHS})\s+\d{{4}}|(?:{WEEKDAYS})s?)\b"
+)
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,:/]\d+)*(?:st|nd|rd|th)?")
+_NAME = re.compile(r"\b[A-Z][a-z]+(?:[-'][A-Z]?[a-z]+)*(?:\s+[A-Z][a-z]+(?:[-'][A-Z]?[a-z]+)*)*")
+
+
+def extract_facts(text: str) -> Counter:
+    """The numbers, dates and names of a text, as a multiset of (class, text).
+
+    Dates first (month or weekday names, with their day and year), then numbers outside them ("2.17",
+    "1,000", "12:30", "1st"), then names: runs of capitalised words, less the common capitalised words that
+    begin sentences (`fact_guard.COMMON_CAPITALISED`). A heuristic, the same for every method, so what it
+    misses it misses on both sides of a comparison."""
+    facts: Counter = Counter()
+    for m in _DATE.finditer(text):
+        facts[("date", " ".join(m.group().split()))] += 1
+    rest = _DATE.sub(" ; ", text)  # a date's day, year and month are not counted again
+    for m in _NUMBER.finditer(rest):
+        facts[("number", m.group())] += 1
+    for m in _NAME.finditer(rest):
+        words = [w for w in m.group().split() if w not in COMMON_CAPITALISED]
+        if words:
+            facts[("name", " ".join(words))] += 1
+    return facts
+
+
+def missing_facts(reference: str, other: str) -> Counter:
+    """Facts of `reference` (vanilla's output) missing from `other`, or changed there (a changed fact is
+    one missing plus one new; only the missing one is counted)."""
+    return extract_facts(reference) - extract_facts(other)
+
+
+# ---------------------------------------------------------------- what a rescue changes
+
+PAPER_KINDS = ("formatting", "punctuation", "spelling", "connective")
+CONNECTIVES = frozenset(
+    [
+        "and",
+        "or",
+        "but",
+        "so",
+        "then",
+        "also",
+        "thus",
+        "hence",
+        "however",
+        "therefore",
+        "while",
+        "whereas",
+        "because",
+        "since",
+        "as",
+        "yet",
+        "plus",
+        "which",
+        "that",
+        "who",
+    ]
+)
+_PUNCT = set("""!"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~""") | set("“”‘’–—…•")
+
+
+def rescue_kind(kept: str, replaced: str) -> str:
+    """What a rescue (kept draft text in place of the target's) changes, by the two tokens' texts:
+    "formatting" (whitespace, newlines, markup), "punctuation", "spelling" (the same word in another case,
+    spacing or spelling: "colour" / "color"), "connective" (one connective for another) — the paper's kinds —
+    or "word" (another word: a synonym or a change of content; the texts alone cannot tell them apart)."""
+    a, b = kept.strip(), replaced.strip()
+
+    def markup(text: str) -> bool:
+        return all(c in "*#-|`>_=" for c in text)
+
+    if (not a or markup(a)) and (not b or markup(b)):
+        return "formatting"
+    if all(c in _PUNCT for c in a) and all(c in _PUNCT for c in b):
+        return "punctuation"
+    if not a or not b:  # punctuation or a space against a word
+        return "punctuation" if all(c in _PUNCT for c in a + b) else "word"
+    if a.lower() == b.lower():
+        return "spelling"
+    similar = difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio() >= 0.8
+    if a.isalpha() and b.isalpha() and min(len(a), len(b)) >= 4 and similar:
+        return "spelling"
+    if a.lower() in CONNECTIVES and b.lower() in CONNECTIVES:
+        return "connective"
+    return "word"

@@ -20,18 +20,20 @@ from bench.context import Bench, head_folder
 from bench.machine import REPO, describe, one_line, reproduce_command
 from bench.profiling import run_profile
 from bench.replay import run_replay
-from bench.runners import method_specs
+from bench.runners import method_specs, select_specs
 from bench.suite import (
     WorkloadResult,
     acceptance_histograms,
     fact_changes,
     lossless_check,
+    output_fact_changes,
     rescued_examples,
     run_workload,
     warm_up,
 )
-from bench.sweep import run_sweep, sweep_prompts
-from bench.workloads import load_calibration, load_workload
+from bench.sweep import calibration_items as held_out_calibration
+from bench.sweep import run_sweep, sweep_items
+from bench.workloads import load_workload
 from service.calibration import encode_item
 from service.decoding import LoadedModel, check_same_vocabulary, load_model
 
@@ -105,10 +107,11 @@ def run_benchmark(
         unknown = sorted(set(config.methods) - {s.label for s in specs})
         if unknown:
             raise BenchError(f"--methods: unknown or unavailable {', '.join(unknown)}")
-        specs = [s for s in specs if s.label in config.methods]
+        specs = select_specs(specs, config.methods, config.peer)
 
     workload_prompts = {name: len(load_workload(name, config.limit)) for name in config.workloads}
-    calibration_items = load_calibration(config.calibration_prompts)
+    # the OCM learns from the calibration prompts less the sweep's held-out ones
+    calibration_items = held_out_calibration(config)
     grid = len(config.sweep_taus) * len(config.sweep_lambdas)
     n_drafters = 1 + (draft is not None) + 2 * (head is not None)  # the head brings "head" and "combined"
     replay_prompts = len(load_workload("grounded", config.replay_prompts)) if config.replay_passes else 0
@@ -116,7 +119,7 @@ def run_benchmark(
         len(calibration_items) * n_drafters
         + len(specs)
         + sum(workload_prompts.values()) * len(specs)
-        + (len(sweep_prompts(config)) * (grid + 1) if config.sweep_prompts else 0)
+        + len(sweep_items(config)) * (1 + n_drafters * (grid + 1))
         + replay_prompts * config.replay_passes
     )
     progress = tqdm(total=total, desc="bench", unit="gen", file=out, dynamic_ncols=True)
@@ -178,6 +181,7 @@ def run_benchmark(
         report["acceptance_histograms"] = acceptance_histograms(results, specs)
         report["rescued"] = rescued_examples(bench, results, specs)
         report["fact_changes"] = fact_changes(bench, results, specs)
+        report["output_fact_changes"] = output_fact_changes(results, specs)
 
         # 4. tau / lambda sweep
         if config.sweep_prompts:
@@ -232,6 +236,7 @@ def _spec_dict(spec) -> dict:
         "ocm": spec.ocm,
         "hf_mode": spec.hf_mode,
         "guard_facts": spec.guard_facts,
+        "guard_turns": spec.guard_turns,
     }
 
 
@@ -256,6 +261,8 @@ def _write_outputs(path: Path, results: list[WorkloadResult], specs) -> None:
                                 "rescued": out.rescued,
                                 "rescues": out.rescues,  # [draft token kept, target token replaced]
                                 "correct": run.correct.get(spec.label),
+                                "correct_cut_at_vanilla_length": run.correct_cut.get(spec.label),
+                                "refused_rescues": dict(out.refused_rescues),
                                 "similarity": run.similarity.get(spec.label),
                                 "loglik_per_token": run.loglik.get(spec.label),
                                 "text": out.text,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,8 +33,10 @@ class MethodSpec:
     # the "-adaptive" variants add the service's default cost-aware draft policy (service/decoding/draft_policy.py)
     ocm: str | None = None
     hf_mode: str | None = None  # hf only: "greedy", "prompt_lookup" or "assisted"
-    # CSD's fact guard (service/decoding/fact_guard.py); off only in the "-unguarded" column that measures it
+    # CSD's rescue guards (service/decoding/fact_guard.py, verification.turn_guard); both off only in the
+    # "-unguarded" column that measures what they block and what they cost (the paper's CSD)
     guard_facts: bool = True
+    guard_turns: bool = True
 
     @property
     def lossless(self) -> bool:
@@ -70,9 +73,15 @@ def method_specs(with_draft_model: bool, with_peer: bool = True, with_head: bool
         specs += [
             MethodSpec("sd-head", "engine", Method.SD, "head"),
             MethodSpec("csd-head", "engine", Method.CSD, "head", ocm="calibrated"),
-            # the same without the fact guard: what the guard blocks and what it costs
+            # the same without the guards (the paper's CSD): what the guards block and what they cost
             MethodSpec(
-                "csd-head-unguarded", "engine", Method.CSD, "head", ocm="calibrated", guard_facts=False
+                "csd-head-unguarded",
+                "engine",
+                Method.CSD,
+                "head",
+                ocm="calibrated",
+                guard_facts=False,
+                guard_turns=False,
             ),
             MethodSpec("sd-combined", "engine", Method.SD, "combined"),
             MethodSpec("csd-combined", "engine", Method.CSD, "combined", ocm="calibrated"),
@@ -90,6 +99,12 @@ def method_specs(with_draft_model: bool, with_peer: bool = True, with_head: bool
         if with_peer:
             specs.append(MethodSpec("hf-assisted", "hf", hf_mode="assisted"))
     return specs
+
+
+def select_specs(specs: list[MethodSpec], methods: Sequence[str], peer: bool) -> list[MethodSpec]:
+    """The columns `--methods` names, and the peer's beside them unless `--no-peer` (`peer` False): a
+    comparison must not lose its reference silently."""
+    return [s for s in specs if s.label in methods or (s.runner == "hf" and peer)]
 
 
 @dataclass
@@ -112,10 +127,25 @@ class RunOutput:
     undrafted_rounds: int = 0  # rounds where the drafter had nothing to propose
     # rescued tokens as (draft token, the target token it replaced)
     rescues: list[tuple[int, int]] = field(default_factory=list)
+    # (tokens emitted so far, seconds since the call began) after each target forward; empty for the peer,
+    # whose `generate` does not show its steps
+    token_times: list[tuple[int, float]] = field(default_factory=list)
+    # rescues the guards refused that both CSD gates had passed, by reason ("turn", "fact", "number", ...)
+    refused_rescues: Counter = field(default_factory=Counter)
 
     @property
     def tokens(self) -> int:
         return len(self.token_ids)
+
+    def seconds_to(self, n: int) -> float:
+        """Wall time until the first `n` tokens were out: the step that emitted the n-th token (our engine);
+        pro rata of the whole call for the peer (an approximation, its prefill spread over its tokens)."""
+        if n >= self.tokens or n <= 0:
+            return self.seconds if n > 0 else 0.0
+        for emitted, seconds in self.token_times:
+            if emitted >= n:
+                return seconds
+        return self.seconds * n / self.tokens
 
 
 def run_engine(
@@ -130,14 +160,19 @@ def run_engine(
         tau=config.tau,
         lossy_threshold=config.lossy_threshold,
         guard_facts=config.guard_facts and spec.guard_facts,
+        guard_turns=config.guard_turns and spec.guard_turns,
     )
     kept: Counter = Counter()
     undrafted = 0
+    token_times: list[tuple[int, float]] = []
+    emitted = 0
     started = time.perf_counter()
     generation = engine.generate(
         prompt_ids, SamplingParams(max_tokens=max_tokens), speculative, drafter=spec.drafter or "ngram"
     )
     for step in run_alone(generation):
+        emitted += len(step.tokens)
+        token_times.append((emitted, time.perf_counter() - started))
         if step.round.num_draft_tokens:
             kept[step.round.num_kept] += 1
         else:
@@ -160,6 +195,8 @@ def run_engine(
         rescues=[
             (t.token_id, t.replaced_token_id) for t in generation.tokens if t.replaced_token_id is not None
         ],
+        token_times=token_times,
+        refused_rescues=Counter(generation.refused_rescues),
     )
 
 

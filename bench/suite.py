@@ -2,8 +2,14 @@
 
 Per prompt the methods run back to back in an order rotated from prompt to prompt, so machine noise (another
 process waking up, a thermal change) spreads over all methods instead of landing on one. Each workload gets
-fresh OCMs: `csd-cold` starts empty, `csd` starts from a copy of the calibrated memory; both learn online
-while the workload is served, as the service would.
+fresh OCMs, one per column: `csd-cold` starts empty, every other csd column from its own copy of the
+calibrated memory; each learns online from its own rescues only while the workload is served, as the service
+would, so no column learns from another and the order of the columns changes nothing.
+
+What cannot flatter a lossy method: every row carries its output length against vanilla's, a speedup on
+equal work (per prompt, the time to emit as many tokens as the shorter of the two outputs), QA scored on the
+whole answer and on the answer cut at vanilla's length, and per-prompt figures from which the goals draw
+bootstrap noise bands.
 """
 
 from __future__ import annotations
@@ -14,13 +20,23 @@ from pathlib import Path
 
 from bench import humaneval
 from bench.context import Bench
-from bench.metrics import Aggregate, Mismatch, explain_mismatch, paired_bootstrap_difference, wilson_interval
+from bench.metrics import (
+    PAPER_KINDS,
+    Aggregate,
+    Mismatch,
+    explain_mismatch,
+    extract_facts,
+    paired_bootstrap_difference,
+    rescue_kind,
+    wilson_interval,
+)
 from bench.runners import MethodSpec, RunOutput
 from bench.workloads import Prompt, answer_in_output, last_number_is, load_workload, truncate_completion
 from service.decoding import Method
 from service.decoding.fact_guard import changes_fact
 
 FACT_CLASSES = ("number", "negation", "name")
+OUTPUT_FACT_CLASSES = ("number", "date", "name")
 
 TASK_SCORES = {"qa": "accuracy", "math": "accuracy", "humaneval": "pass@1"}
 
@@ -31,6 +47,8 @@ class PromptRun:
     prompt_ids: list[int]
     outputs: dict[str, RunOutput] = field(default_factory=dict)
     correct: dict[str, bool] = field(default_factory=dict)
+    # QA scored on the output cut at vanilla's length (a longer answer has more chances to contain the string)
+    correct_cut: dict[str, bool] = field(default_factory=dict)
     similarity: dict[str, float] = field(default_factory=dict)
     loglik: dict[str, float | None] = field(default_factory=dict)
 
@@ -50,14 +68,14 @@ def rotated(specs: list[MethodSpec], shift: int) -> list[MethodSpec]:
 def warm_up(bench: Bench, specs: list[MethodSpec], prompt_ids: list[int]) -> None:
     """One short untimed generation per method: first-call costs (allocator, lazy imports) stay out of the
     timings. Runs on throwaway OCMs."""
-    engines = bench.engines()
+    engines = bench.engines(specs)
     for spec in specs:
         bench.run(spec, engines, prompt_ids, max_tokens=8)
 
 
 def run_workload(bench: Bench, name: str, specs: list[MethodSpec], workdir: Path) -> WorkloadResult:
     prompts = load_workload(name, bench.config.limit)
-    engines = bench.engines()
+    engines = bench.engines(specs)  # every column with an OCM has its own (calibrated the same way)
     tokenizer = bench.target.tokenizer
     runs = []
     for i, prompt in enumerate(prompts):
@@ -84,6 +102,8 @@ def score_quality(
             pairs.append((vanilla.text, out.text))
             if name == "qa":
                 run.correct[spec.label] = answer_in_output(run.prompt.answer or "", out.text)
+                cut = bench.target.tokenizer.decode(out.token_ids[: vanilla.tokens], skip_special_tokens=True)
+                run.correct_cut[spec.label] = answer_in_output(run.prompt.answer or "", cut)
             elif name == "math":
                 run.correct[spec.label] = last_number_is(run.prompt.answer or "", out.text)
     similarities = iter(bench.embedder.similarity(pairs))
@@ -116,9 +136,38 @@ def summarise(name: str, runs: list[PromptRun], specs: list[MethodSpec]) -> dict
             agg.add(run.outputs[spec.label])
         n = len(runs)
         logliks = [r.loglik[spec.label] for r in runs if r.loglik[spec.label] is not None]
+        outs = [r.outputs[spec.label] for r in runs]
+        vanillas = [r.outputs["vanilla"] for r in runs]
+        # equal work: per prompt, the time each took to emit the first min(its length, vanilla's) tokens
+        equal = [min(o.tokens, v.tokens) for o, v in zip(outs, vanillas, strict=True)]
+        equal_seconds = [o.seconds_to(e) for o, e in zip(outs, equal, strict=True)]
+        vanilla_equal_seconds = [v.seconds_to(e) for v, e in zip(vanillas, equal, strict=True)]
+        refused: Counter = Counter()
+        for o in outs:
+            refused.update(o.refused_rescues)
         row = {
             "prompts": n,
             "tokens": agg.tokens,
+            "vanilla_tokens": base.tokens,
+            "length_ratio": agg.tokens / base.tokens if base.tokens else None,
+            # prompts whose output is more than 5 % longer / shorter than vanilla's
+            "longer_prompts": sum(o.tokens > 1.05 * v.tokens for o, v in zip(outs, vanillas, strict=True)),
+            "shorter_prompts": sum(o.tokens < 0.95 * v.tokens for o, v in zip(outs, vanillas, strict=True)),
+            "equal_work_tokens": sum(equal),
+            "equal_work_seconds": sum(equal_seconds),
+            "equal_work_speedup": sum(vanilla_equal_seconds) / sum(equal_seconds)
+            if sum(equal_seconds)
+            else None,
+            "per_prompt": {
+                "tokens": [o.tokens for o in outs],
+                "vanilla_tokens": [v.tokens for v in vanillas],
+                "seconds": [o.seconds for o in outs],
+                "vanilla_seconds": [v.seconds for v in vanillas],
+                "equal_work_seconds": equal_seconds,
+                "vanilla_equal_work_seconds": vanilla_equal_seconds,
+                "target_forwards": [o.target_forwards for o in outs],
+            },
+            "refused_rescues": dict(refused),
             "seconds": agg.seconds,
             "tokens_per_second": agg.tokens_per_second,
             "speedup": agg.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None,
@@ -159,6 +208,16 @@ def summarise(name: str, runs: list[PromptRun], specs: list[MethodSpec]) -> dict
                 task_diff_vs_vanilla=diff,
                 task_diff_interval=[diff_low, diff_high],
             )
+            if runs[0].correct_cut:
+                cut = [r.correct_cut[spec.label] for r in runs]
+                diff, diff_low, diff_high = paired_bootstrap_difference(
+                    cut, [r.correct["vanilla"] for r in runs]
+                )
+                row.update(
+                    task_score_cut=sum(cut) / n,
+                    task_diff_cut_vs_vanilla=diff,
+                    task_diff_cut_interval=[diff_low, diff_high],
+                )
         rows[spec.label] = row
     return rows
 
@@ -234,18 +293,76 @@ def _rescues(results: list[WorkloadResult], label: str) -> Counter:
 
 def rescued_examples(
     bench: Bench, results: list[WorkloadResult], specs: list[MethodSpec], n: int = 15
-) -> dict[str, list[dict]]:
+) -> dict[str, dict]:
     """csd column -> its most frequent rescued patterns as text (draft token kept, target token replaced),
-    one list per drafter's columns: patterns are per model pair."""
+    each with its kind (`metrics.rescue_kind`), and the share of all its rescues that are of the paper's kinds
+    (formatting, punctuation, spelling, connectives) against other words (synonyms or content changes), and
+    the rescues that crossed a special token (the turn guard's concern)."""
     decode = bench.target.tokenizer.decode
-    return {
-        spec.label: [
-            {"kept": decode([d]), "replaced": decode([t]), "count": c}
-            for (d, t), c in _rescues(results, spec.label).most_common(n)
-        ]
-        for spec in specs
-        if spec.method is Method.CSD
-    }
+    special = bench.target.special_token_ids
+    out: dict[str, dict] = {}
+    for spec in specs:
+        if spec.method is not Method.CSD:
+            continue
+        counts = _rescues(results, spec.label)
+        kinds: Counter = Counter()
+        for (d, t), c in counts.items():
+            kinds[rescue_kind(decode([d]), decode([t]))] += c
+        total = sum(counts.values())
+        paper = sum(kinds[k] for k in PAPER_KINDS)
+        out[spec.label] = {
+            "rescues": total,
+            "by_kind": dict(kinds),
+            "paper_kind_share": paper / total if total else None,
+            "turn_rescues": sum(c for (d, t), c in counts.items() if d in special or t in special),
+            "patterns": [
+                {
+                    "kept": decode([d]),
+                    "replaced": decode([t]),
+                    "count": c,
+                    "kind": rescue_kind(decode([d]), decode([t])),
+                }
+                for (d, t), c in counts.most_common(n)
+            ],
+        }
+    return out
+
+
+def output_fact_changes(results: list[WorkloadResult], specs: list[MethodSpec]) -> dict[str, dict]:
+    """Per column: the numbers, dates and names of vanilla's output that are missing or changed in the
+    column's output (`metrics.extract_facts`), counted over every workload's prompts, by class, with the
+    prompts where any changed and a few examples. A lossless column must show none."""
+    out: dict[str, dict] = {}
+    for spec in specs:
+        if spec.label == "vanilla":
+            continue
+        by_class: Counter = Counter()
+        examples: list[dict] = []
+        prompts = changed_prompts = vanilla_facts = 0
+        for result in results:
+            for run in result.runs:
+                if spec.label not in run.outputs:
+                    continue
+                prompts += 1
+                reference = extract_facts(run.outputs["vanilla"].text)
+                vanilla_facts += sum(reference.values())
+                missing = reference - extract_facts(run.outputs[spec.label].text)
+                if missing:
+                    changed_prompts += 1
+                    for (kind, text), c in missing.items():
+                        by_class[kind] += c
+                        if len(examples) < 8:
+                            examples.append({"prompt_id": run.prompt.id, "class": kind, "vanilla": text})
+        out[spec.label] = {
+            "guarded": spec.method is Method.CSD and spec.guard_facts,
+            "prompts": prompts,
+            "vanilla_facts": vanilla_facts,
+            "changed": sum(by_class.values()),
+            "changed_prompts": changed_prompts,
+            "by_class": {k: by_class.get(k, 0) for k in OUTPUT_FACT_CLASSES},
+            "examples": examples,
+        }
+    return out
 
 
 def fact_changes(bench: Bench, results: list[WorkloadResult], specs: list[MethodSpec]) -> dict[str, dict]:

@@ -45,7 +45,9 @@ class Settings(BaseSettings):
     lambda_: float = Field(6, ge=0, validation_alias=AliasChoices("lambda", "CSD_LAMBDA"))
     lossy_threshold: float = Field(0.6, gt=0, le=1)
     guard_facts: bool = Field(
-        True, description="csd never rescues numbers, negations or names (service/decoding/fact_guard.py)"
+        True,
+        description="csd never keeps a rescue that starts, ends or changes a number, date, negation or name, "
+        "judged with the tokens before it (service/decoding/fact_guard.py)",
     )
     adaptive_speculation: bool = Field(
         True, description="verify only as much of a draft as pays for itself (measured forward costs)"

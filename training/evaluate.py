@@ -48,6 +48,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, default=None, help="prompts per workload")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", type=Path, default=WORK, help="cache of the answers and features")
+    parser.add_argument(
+        "--calibrate-on",
+        type=Path,
+        nargs="*",
+        default=None,
+        help="feature files the heads never trained on (e.g. corpus shards newer than the head): fit each head's "
+        "confidence temperature on them, write it into the head's config.json, and report the head on them",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -61,6 +69,26 @@ def main(argv: list[str] | None = None) -> None:
     embed = target.model.get_input_embeddings().weight.detach().float()
     lm_head = target.model.get_output_embeddings().weight.detach().float()
     results: dict = {}
+    if args.calibrate_on:
+        from training.train_head import fit_confidence_temperature
+
+        for folder in args.head:
+            head = RecurrentDraftHead.load(folder).bind(embed, lm_head)
+            data, spans = load_data(args.calibrate_on, fused=bool(head.config.feature_layers))
+            starts = _positions(spans)
+            starts = starts[torch.randperm(len(starts), generator=torch.Generator().manual_seed(0))[:16384]]
+            fitted = fit_confidence_temperature(head, data, starts)
+            config_file = folder / "config.json"
+            saved = json.loads(config_file.read_text())
+            saved["confidence_temperature"] = fitted["temperature"]
+            config_file.write_text(json.dumps(saved, indent=1))
+            head = RecurrentDraftHead.load(folder).bind(embed, lm_head)
+            remap = torch.full((int(data.tokens.max()) + 1,), -100, dtype=torch.long)
+            figures = evaluate(head, data, starts, remap, TrainConfig())
+            results.setdefault(str(folder), {})["calibration"] = {**fitted, **figures}
+            print(
+                f"calibrated {str(folder):60s} {json.dumps(results[str(folder)]['calibration'])}", flush=True
+            )
     for workload in args.workloads.split(","):
         features = args.work / f"{workload}-{args.max_tokens}-{args.limit}.safetensors"
         if not features.exists():

@@ -21,12 +21,15 @@ baseline and the speculative methods share every line that is not speculation.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 from service.decoding.draft_policy import DraftPolicy
 from service.decoding.drafters.base import Draft, Drafter, DraftRow
+from service.decoding.fact_guard import fact_refusal
 from service.decoding.models import LoadedModel
 from service.decoding.processing import LogitsProcessing
 from service.decoding.text import IncrementalDetokenizer, StopMatcher
@@ -41,11 +44,13 @@ from service.decoding.types import (
 )
 from service.decoding.verification import (
     DivergenceMemory,
+    RescueGuard,
     RescueRule,
     Verdict,
     calibrated_rule,
     lossy_rule,
     recording_rule,
+    turn_guard,
     verify_greedy,
     verify_sampling,
 )
@@ -56,20 +61,30 @@ FORCED_KEY = -1
 IMPOSSIBLE_LOGPROB = -9999.0
 
 
+def rescue_guards(spec: SpeculativeConfig, target: LoadedModel) -> list[RescueGuard]:
+    """The guards a CSD rescue must pass (our choice beyond the paper, /work/shared/CSD.md): the turn guard
+    (`spec.guard_turns`) and the context fact guard (`spec.guard_facts`)."""
+    guards: list[RescueGuard] = []
+    if spec.guard_turns:
+        guards.append(turn_guard(target.special_token_ids))
+    if spec.guard_facts:
+        guards.append(functools.partial(fact_refusal, target.token_classes))
+    return guards
+
+
 def rescue_rule_for(
     spec: SpeculativeConfig,
     memory: DivergenceMemory | None,
     record_strict: bool = False,
-    fact_tokens: frozenset[int] = frozenset(),
+    guards: Sequence[RescueGuard] = (),
+    refused: Counter | None = None,
 ) -> RescueRule | None:
-    """The one place a method name becomes a verification rule. `fact_tokens`: the target's tokens that
-    the fact guard protects (used when `spec.guard_facts`)."""
+    """The one place a method name becomes a verification rule. `guards`: what a CSD rescue must pass
+    (`rescue_guards`); `refused` counts, by reason, the rescues they refused that the gates had passed."""
     if spec.method is Method.CSD:
         if memory is None:
             raise DecodingError("method 'csd' needs an Online Correction Memory")
-        return calibrated_rule(
-            memory, spec.lambda_, spec.tau, fact_tokens if spec.guard_facts else frozenset()
-        )
+        return calibrated_rule(memory, spec.lambda_, spec.tau, guards, refused)
     if spec.method is Method.LOSSY:
         return lossy_rule(spec.lossy_threshold)
     if spec.method is Method.SD and record_strict and memory is not None:
@@ -107,8 +122,10 @@ class Generation:
         self.prompt_ids = list(prompt_ids)
         self.sampling = sampling
         self.spec = spec
-        guarded = target.fact_tokens if spec.method is Method.CSD and spec.guard_facts else frozenset()
-        self.rescue = rescue_rule_for(spec, memory, record_strict, guarded)
+        guards = rescue_guards(spec, target) if spec.method is Method.CSD else []
+        # rescues the guards refused that both gates had passed, by reason ("turn", "fact", "number", ...)
+        self.refused_rescues: Counter = Counter()
+        self.rescue = rescue_rule_for(spec, memory, record_strict, guards, self.refused_rescues)
         self.generator: torch.Generator | None = None
         if not sampling.greedy:
             self.generator = torch.Generator(device=target.device)
@@ -226,7 +243,7 @@ class Generation:
 
     def _verify(self, draft: list[int], draft_probs: torch.Tensor | None, logits: torch.Tensor) -> Verdict:
         if self.sampling.greedy:
-            return verify_greedy(draft, logits, self.rescue)
+            return verify_greedy(draft, logits, self.rescue, self.committed)
         return verify_sampling(
             draft,
             draft_probs,
@@ -235,6 +252,7 @@ class Generation:
             self.sampling.top_p,
             self.generator,
             self.rescue,
+            self.committed,
         )
 
     def _emit(self, verdict: Verdict) -> GenerationStep:

@@ -28,6 +28,7 @@ from service.decoding.paths import check_gguf_header, default_cache_dir, resolve
 from service.decoding.types import DecodingError
 
 if TYPE_CHECKING:
+    from service.decoding.fact_guard import TokenClasses
     from service.decoding.grammar import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -118,13 +119,27 @@ class LoadedModel:
         return capture
 
     @property
-    def fact_tokens(self) -> frozenset[int]:
-        """Token ids CSD's fact guard never rescues (`fact_guard`); computed once per model."""
-        ids = self.model.__dict__.get("_csd_fact_tokens")
-        if ids is None:
-            from service.decoding.fact_guard import fact_token_ids
+    def token_classes(self) -> TokenClasses:
+        """Per-token flags of CSD's rescue guards (`fact_guard.token_classes`); computed once per model."""
+        classes = self.model.__dict__.get("_csd_token_classes")
+        if classes is None:
+            from service.decoding.fact_guard import token_classes
 
-            ids = self.model.__dict__["_csd_fact_tokens"] = fact_token_ids(self.tokenizer)
+            classes = token_classes(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids()))
+            self.model.__dict__["_csd_token_classes"] = classes
+        return classes
+
+    @property
+    def fact_tokens(self) -> frozenset[int]:
+        """Token ids that are a number, date, negation or name by themselves (`fact_guard`)."""
+        return self.token_classes.fact_ids
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Special tokens (end of turn, end of text, chat markers) and the model's EOS ids: the turn guard's."""
+        ids = self.model.__dict__.get("_csd_special_ids")
+        if ids is None:
+            ids = self.model.__dict__["_csd_special_ids"] = self.token_classes.special_ids
         return ids
 
     @property

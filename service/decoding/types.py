@@ -48,8 +48,11 @@ class SpeculativeConfig:
     tau: float = 0.01
     # Lossy baseline: accept when p(draft) / p(target top) >= lossy_threshold.
     lossy_threshold: float = 0.6
-    # CSD never rescues a token (or over a token) that is a number, a negation or a name (`fact_guard`)
+    # CSD never rescues a token (or over a token) that starts, ends or changes a number, date, negation or
+    # name, judged with the tokens before it (`fact_guard`)
     guard_facts: bool = True
+    # CSD never rescues over a special token the target chose (its end of turn), nor keeps one over text
+    guard_turns: bool = True
     # structured output: draft the tokens the grammar forces (jump-forward); off only to measure what it buys
     jump_forward: bool = True
 

@@ -13,6 +13,10 @@ Implements, on the logits of one target forward over `[last, d_1 .. d_k]`:
 Paper letters -> our names: the papers' target distribution p is `target_probs`, the draft distribution q is
 `draft_probs`; CSD's z_i are `target_logits[i]`, d is `draft[i]`, t* is `top`.
 
+Beyond the paper, a rescue passes *guards* (our choice, /work/shared/CSD.md "Our guards"): the turn guard
+here (never keep a draft token over a special token the target chose, such as its end of turn, nor a special
+token over text) and the context fact guard of `fact_guard` (numbers, dates, names, negations).
+
 A *rescue rule* is the only thing that differs between sd, lossy and csd: it is asked at each rejection
 whether to keep the draft token anyway. Verification then goes on at the next position with the logits
 already computed (they were computed with the draft token in the prefix), so one rescue can save the rest of
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,8 +37,13 @@ import torch
 
 from service.decoding.types import EmittedToken, Provenance, RoundStats
 
-# rule(draft_token, target_top, raw_logits_row) -> keep the draft token?
-RescueRule = Callable[[int, int, torch.Tensor], bool]
+# rule(draft_token, target_top, raw_logits_row, before) -> keep the draft token? `before`: the tokens before
+# the draft token (the last committed ones, then the draft kept so far in this round)
+RescueRule = Callable[[int, int, torch.Tensor, Sequence[int]], bool]
+# guard(before, draft_token, target_top) -> why the rescue is refused ("turn", "fact", ...), or None
+RescueGuard = Callable[[Sequence[int], int, int], str | None]
+# committed tokens a rule sees before the round's draft (enough for a word or a number in progress)
+CONTEXT_TOKENS = 8
 
 
 class DivergenceMemory(Protocol):
@@ -63,35 +73,66 @@ def logit_gap(row: torch.Tensor, draft_token: int, top: int) -> float:
     return float(row[draft_token] - row[top])
 
 
+def turn_guard(special_ids: frozenset[int]) -> RescueGuard:
+    """Refuse a rescue over a special token the target chose (its end of turn is a decision, not a
+    spelling: keeping a '\\n' there runs the answer on) and a special token kept over text."""
+
+    def guard(before: Sequence[int], draft_token: int, top: int) -> str | None:
+        return "turn" if top in special_ids or draft_token in special_ids else None
+
+    return guard
+
+
+def token_set_guard(tokens: frozenset[int], reason: str = "fact") -> RescueGuard:
+    """Refuse a rescue when either token is in `tokens`, whatever the context (a fixed list of ids)."""
+
+    def guard(before: Sequence[int], draft_token: int, top: int) -> str | None:
+        return reason if draft_token in tokens or top in tokens else None
+
+    return guard
+
+
 def lossy_rule(threshold: float) -> RescueRule:
     """Static lenience (the CSD paper's lossy baseline): keep d when p(d) >= threshold * p(t*)."""
     log_threshold = math.log(threshold)
 
-    def rule(draft_token: int, top: int, row: torch.Tensor) -> bool:
+    def rule(draft_token: int, top: int, row: torch.Tensor, before: Sequence[int] = ()) -> bool:
         return logit_gap(row, draft_token, top) >= log_threshold
 
     return rule
 
 
 def calibrated_rule(
-    memory: DivergenceMemory, lambda_: float, tau: float, guarded: frozenset[int] = frozenset()
+    memory: DivergenceMemory,
+    lambda_: float,
+    tau: float,
+    guards: Sequence[RescueGuard] = (),
+    refused: Counter | None = None,
 ) -> RescueRule:
-    """CSD: record (d, t*) first, then rescue iff count > lambda (OCM) and p(d)/p(t*) >= tau (SCG).
+    """CSD: record (d, t*) first, then rescue iff no guard refuses, count > lambda (OCM) and p(d)/p(t*) >= tau
+    (SCG).
 
-    `guarded`: token ids never rescued nor rescued over (numbers, negations, names: `fact_guard`)."""
+    `guards`: each may refuse the rescue, with its reason (`turn_guard`, `fact_guard.fact_refusal`); a refused
+    rescue the gates would have passed is counted in `refused` by reason (what the guards cost)."""
     log_tau = math.log(tau)
 
-    def rule(draft_token: int, top: int, row: torch.Tensor) -> bool:
+    def rule(draft_token: int, top: int, row: torch.Tensor, before: Sequence[int] = ()) -> bool:
         pattern = (draft_token, top)
         memory.record([pattern])
         if math.isinf(lambda_):  # rescue disabled: the memory still learns
             return False
-        if draft_token in guarded or top in guarded:  # a different number, negation or name: a new fact
-            return False
         # The semantic gate is cheaper than the count lookup on a remote-backed memory, so test it first.
         if logit_gap(row, draft_token, top) < log_tau:
             return False
-        return memory.counts([pattern])[0] > lambda_
+        if memory.counts([pattern])[0] <= lambda_:
+            return False
+        for guard in guards:
+            reason = guard(before, draft_token, top)
+            if reason is not None:
+                if refused is not None:
+                    refused[reason] += 1
+                return False
+        return True
 
     return rule
 
@@ -99,25 +140,33 @@ def calibrated_rule(
 def recording_rule(memory: DivergenceMemory) -> RescueRule:
     """Strict decoding that still teaches the memory (offline calibration, the paper's first phase)."""
 
-    def rule(draft_token: int, top: int, row: torch.Tensor) -> bool:
+    def rule(draft_token: int, top: int, row: torch.Tensor, before: Sequence[int] = ()) -> bool:
         memory.record([(draft_token, top)])
         return False
 
     return rule
 
 
+def _before(committed: Sequence[int], draft: Sequence[int], i: int) -> list[int]:
+    """The tokens before draft position i: the last committed ones, then the draft kept so far."""
+    return [*committed[-CONTEXT_TOKENS:], *draft[:i]]
+
+
 # ---------------------------------------------------------------- greedy verification
 
 
 def verify_greedy(
-    draft: Sequence[int], target_logits: torch.Tensor, rescue: RescueRule | None = None
+    draft: Sequence[int],
+    target_logits: torch.Tensor,
+    rescue: RescueRule | None = None,
+    committed: Sequence[int] = (),
 ) -> Verdict:
     """Greedy verification.
 
     draft: k draft token ids. target_logits: [k + 1, V] raw logits; row i scores the token after
     `[last, d_1 .. d_i]`. Position i is accepted iff d_i == argmax(row i - 1); at a mismatch `rescue` may keep
     d_i; otherwise the target's top token is emitted (recovered) and the round ends. If all k are kept, the
-    target's next token is free (bonus).
+    target's next token is free (bonus). committed: the sequence before the draft (the rescue's context).
     """
     k = len(draft)
     tops = target_logits.argmax(dim=-1).tolist()  # [k + 1]
@@ -133,7 +182,7 @@ def verify_greedy(
             continue
         if rescue is not None:
             started = time.perf_counter()
-            keep = rescue(d, top, target_logits[i])
+            keep = rescue(d, top, target_logits[i], _before(committed, draft, i))
             stats.ocm_seconds += time.perf_counter() - started
             if keep:
                 tokens.append(EmittedToken(d, Provenance.RESCUED, replaced_token_id=top))
@@ -181,6 +230,7 @@ def verify_sampling(
     top_p: float,
     generator: torch.Generator | None,
     rescue: RescueRule | None = None,
+    committed: Sequence[int] = (),
 ) -> Verdict:
     """Rejection sampling (Leviathan/Chen), lossless for `rescue=None`.
 
@@ -208,7 +258,7 @@ def verify_sampling(
             top = int(target_logits[i].argmax())
             if d != top:
                 started = time.perf_counter()
-                keep = rescue(d, top, target_logits[i])
+                keep = rescue(d, top, target_logits[i], _before(committed, draft, i))
                 stats.ocm_seconds += time.perf_counter() - started
                 if keep:
                     tokens.append(EmittedToken(d, Provenance.RESCUED, replaced_token_id=top))

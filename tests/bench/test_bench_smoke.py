@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 ROW_FIELDS = {
     "prompts", "tokens", "seconds", "tokens_per_second", "speedup", "tokens_per_forward", "forwards_per_token",
     "acceptance_rate", "kept_rate", "rescue_rate", "target_forwards", "ocm_share", "exact_match", "loglik_per_token", "similarity", "task_score",
+    "vanilla_tokens", "length_ratio", "equal_work_speedup", "per_prompt", "refused_rescues",
 }  # fmt: skip
 METHODS = {"vanilla", "sd", "lossy", "csd-cold", "csd", "sd-adaptive", "csd-adaptive", "hf-greedy", "hf-pld"}
 HEAD_METHODS = {
@@ -101,16 +102,31 @@ def test_bench_end_to_end(tmp_path, embedded_head):
     assert set(cost["head"]["seconds_by_tokens"]) == {str(n) for n in range(1, 7)}
     assert cost["head"]["share_of_forward"] > 0
     assert "head: drafter cost per draft token = " in done.stdout
-    assert len(report["sweep"]["points"]) == 2
+    assert len(report["sweep"]["points"]) == 6  # 3 drafters x 1 tau x 2 lambdas
+    assert set(report["sweep"]["chosen"]) == {"ngram", "head", "combined"}
+    assert report["sweep"]["prompts"] == [
+        "cal-085"
+    ]  # held out of the calibration, never an evaluation prompt
     assert len(report["replay"]["requests"]) == 2
-    assert len(report["goals"]) == 17  # issue 8's ten and issue 11's seven
+    assert len(report["goals"]) == 23  # issue 8's ten, issue 11's seven and issue 19's six
     goals = {g["goal"]: g["status"] for g in report["goals"]}
     lossless = next(status for goal, status in goals.items() if goal.startswith("sd output identical"))
     assert lossless == "met"  # the lossless check above passed, so its goal must say so
-    # every goal this run has the data for is judged, not left "not measured"
+    # every goal this run has the data for is judged, not left "not measured", unless its column rescued nothing
+    for goal in report["goals"]:
+        if goal["goal"].startswith(("csd mean semantic", "csd OCM", "csd-head mean semantic")):
+            column = goal["goal"].split()[0]
+            idle = sum(w["methods"][column]["rescued"] for w in report["workloads"].values()) == 0
+            assert (goal["status"] == "not measured") is idle, goal
+    # lossless columns change no fact of vanilla's output; every column is counted
+    facts_out = report["output_fact_changes"]
+    assert set(facts_out) == (METHODS | HEAD_METHODS) - {"vanilla"}
+    assert facts_out["sd"]["changed"] == 0 and facts_out["sd"]["vanilla_facts"] >= 0
     assert all(
-        status != "not measured" for goal, status in goals.items() if "similarity" in goal or "OCM" in goal
+        r["turn_rescues"] == 0 for label, r in report["rescued"].items() if label != "csd-head-unguarded"
     )
+    qa_rows = report["workloads"]["qa"]["methods"]
+    assert qa_rows["vanilla"]["task_score_cut"] == qa_rows["vanilla"]["task_score"]
     assert goals["sd-head output identical to vanilla at temperature 0 on every prompt"] == "met"
     # the chat workload was left out: the head's chat goals are not measured, never met
     assert goals["sd-head >= 2.2 tokens per target forward on chat"] == "not measured"
@@ -120,6 +136,7 @@ def test_bench_end_to_end(tmp_path, embedded_head):
         "## Drafter cost",
         "## Rescues that change facts",
         "guard's benefit",
+        "## Facts of vanilla's outputs missing or changed",
     ):
         assert section in markdown, section
     assert report["meta"]["machine"]["torch_threads"] == 1  # --threads 1

@@ -11,9 +11,14 @@ from bench.metrics import (
     Aggregate,
     LogLikelihoodScorer,
     SentenceEmbedder,
+    bootstrap_interval,
     explain_mismatch,
+    extract_facts,
     first_difference,
+    missing_facts,
     paired_bootstrap_difference,
+    ratio_of_sums,
+    rescue_kind,
     wilson_interval,
 )
 from bench.runners import RunOutput
@@ -153,3 +158,49 @@ def test_sentence_embedder_agrees_with_sentence_transformers():
     theirs = torch.tensor(reference.encode(texts, normalize_embeddings=True))
     assert torch.allclose(ours, theirs, atol=1e-4)
     assert math.isclose(float(ours[0] @ ours[1]), sims[0], abs_tol=1e-5)
+
+
+# ---------------------------------------------------------------- issue 19's instruments
+
+
+def test_seconds_to_reads_the_step_that_emitted_the_nth_token():
+    out = RunOutput(list(range(10)), "t", seconds=1.0, target_forwards=4,
+                    token_times=[(1, 0.4), (4, 0.6), (7, 0.8), (10, 1.0)])  # fmt: skip
+    assert [out.seconds_to(n) for n in (0, 1, 2, 4, 5, 10, 12)] == [0.0, 0.4, 0.6, 0.6, 0.8, 1.0, 1.0]
+    peer = RunOutput(list(range(10)), "t", seconds=2.0, target_forwards=10)  # no steps: pro rata
+    assert peer.seconds_to(5) == pytest.approx(1.0)
+
+
+def test_bootstrap_interval_of_a_ratio_of_sums():
+    steady = ratio_of_sums([2.0] * 20, [1.0] * 20)
+    assert bootstrap_interval(20, steady) == (2.0, 2.0, 2.0)
+    noisy = ratio_of_sums([1.0, 3.0] * 10, [1.0] * 20)
+    value, low, high = bootstrap_interval(20, noisy)
+    assert value == 2.0 and low < 2.0 < high
+    assert bootstrap_interval(0, noisy) == (None, None, None)
+
+
+def test_facts_of_an_output():
+    facts = extract_facts(
+        "The talk is in room 2.17 on a Saturday; Eve Curie, 1937. On March 3, 2021 it cost 1,000."
+    )
+    assert facts == {
+        ("number", "2.17"): 1, ("date", "Saturday"): 1, ("name", "Eve Curie"): 1, ("number", "1937"): 1,
+        ("date", "March 3, 2021"): 1, ("number", "1,000"): 1,
+    }  # fmt: skip
+    # the issue's cases: "room 2.17" became "room 2,", "on a Saturday" became "on the 1st of each month"
+    missing = missing_facts("Meet in room 2.17 on a Saturday.", "Meet in room 2, on the 1st of each month.")
+    assert missing == {("number", "2.17"): 1, ("date", "Saturday"): 1}
+    assert missing_facts("Eve Curie, 1937 and Ada", "Eve Curie, 1937 and Ada, and more") == {}
+
+
+@pytest.mark.parametrize(
+    "kept, replaced, kind",
+    [
+        (",", ".", "punctuation"), ("\n", "\n\n", "formatting"), (" **", "", "formatting"),
+        (" colour", " color", "spelling"), (" The", " the", "spelling"), (" and", " but", "connective"),
+        (" a", " the", "word"), (" big", " large", "word"), ("\n", " The", "word"),
+    ],
+)  # fmt: skip
+def test_rescue_kinds(kept, replaced, kind):
+    assert rescue_kind(kept, replaced) == kind

@@ -17,14 +17,29 @@ from bench.reports import (
 )
 
 
-def row(tps: float, tpf: float = 1.0, **extra) -> dict:
+def per_prompt(tps: float, tokens: int = 1000, prompts: int = 10, spread: float = 0.0) -> dict:
+    """Per-prompt figures against a vanilla at 10 tok/s with as many tokens; `spread` varies the method's
+    seconds from prompt to prompt (+-spread around the mean), keeping their sum."""
+    each = tokens / prompts
+    seconds = [
+        each / tps * (1 + spread * (i - (prompts - 1) / 2) / ((prompts - 1) / 2)) for i in range(prompts)
+    ]
+    return {
+        "tokens": [each] * prompts, "vanilla_tokens": [each] * prompts, "seconds": seconds,
+        "vanilla_seconds": [each / 10.0] * prompts, "equal_work_seconds": seconds,
+        "vanilla_equal_work_seconds": [each / 10.0] * prompts, "target_forwards": [each] * prompts,
+    }  # fmt: skip
+
+
+def row(tps: float, tpf: float = 1.0, spread: float = 0.0, **extra) -> dict:
     base = {
         "prompts": 10, "tokens": 1000, "seconds": 1000 / tps, "tokens_per_second": tps, "speedup": None,
         "tokens_per_forward": tpf, "forwards_per_token": 1 / tpf, "target_forwards": 1000 / tpf,
         "acceptance_rate": None, "kept_rate": None, "rescue_rate": None,
         "ocm_share": None, "ocm_seconds": 0.0, "decode_seconds": 10.0, "exact_match": 1.0,
         "loglik_per_token": -0.5, "similarity": 0.95, "task_metric": None, "task_score": None,
-        "rescued": None, "recovered": None,
+        "rescued": None, "recovered": None, "length_ratio": 1.0, "vanilla_tokens": 1000,
+        "equal_work_speedup": tps / 10.0, "per_prompt": per_prompt(tps, spread=spread),
     }  # fmt: skip
     base.update(extra)
     return base
@@ -37,7 +52,7 @@ def report(sd_tps: float, csd_tps: float, peer_tps: float, qa_diff: float, with_
             "methods": {
                 "vanilla": row(10.0),
                 "sd": row(sd_tps, 2.0),
-                "csd": row(csd_tps, 2.8, ocm_seconds=0.01, decode_seconds=5.0),
+                "csd": row(csd_tps, 2.8, ocm_seconds=0.01, decode_seconds=5.0, rescued=80),
                 "hf-pld": row(peer_tps, 2.0),
             },
         }
@@ -58,6 +73,7 @@ def report(sd_tps: float, csd_tps: float, peer_tps: float, qa_diff: float, with_
                     task_diff_interval=[qa_diff - 0.1, qa_diff + 0.1],
                     ocm_seconds=0.0,
                     decode_seconds=5.0,
+                    rescued=40,
                     **qa,
                 ),  # fmt: skip
             },
@@ -83,7 +99,12 @@ def test_goals_met_and_missed_follow_the_figures():
     assert met["sd throughput >= transformers prompt-lookup (hf-pld) on the grounded suite"] == "met"
     assert met["csd throughput >= 1.3x transformers prompt-lookup (hf-pld) on the grounded suite"] == "met"
     assert met["csd mean accepted tokens per target forward >= 1.3x sd's (grounded)"] == "met"  # 2.8 / 2.0
-    assert met["csd QA accuracy not below vanilla by more than 2 points"] == "met"
+    assert (
+        met[
+            "csd QA accuracy not below vanilla by more than 2 points (whole answer and cut at vanilla's length)"
+        ]
+        == "met"
+    )
     assert met["csd OCM share of decoding time < 1 % (all workloads)"] == "met"  # 0.01 s of 10 s
 
     missed = by_goal(evaluate_goals(report(sd_tps=14.0, csd_tps=19.0, peer_tps=16.0, qa_diff=-0.03)))
@@ -93,14 +114,24 @@ def test_goals_met_and_missed_follow_the_figures():
     assert (
         missed["csd throughput >= 1.3x transformers prompt-lookup (hf-pld) on the grounded suite"] == "missed"
     )
-    assert missed["csd QA accuracy not below vanilla by more than 2 points"] == "missed"
+    assert (
+        missed[
+            "csd QA accuracy not below vanilla by more than 2 points (whole answer and cut at vanilla's length)"
+        ]
+        == "missed"
+    )
 
 
 def test_unmeasured_goals_are_not_met():
     goals = by_goal(
         evaluate_goals(report(sd_tps=16.0, csd_tps=21.0, peer_tps=15.0, qa_diff=0.0, with_qa=False))
     )
-    assert goals["csd QA accuracy not below vanilla by more than 2 points"] == "not measured"
+    assert (
+        goals[
+            "csd QA accuracy not below vanilla by more than 2 points (whole answer and cut at vanilla's length)"
+        ]
+        == "not measured"
+    )
     assert goals["csd HumanEval pass@1 not below vanilla"] == "not measured"
 
 
@@ -128,7 +159,7 @@ def test_markdown_has_the_table_and_the_goals(quick):
                  "wall_seconds": 1.0, "phase_seconds": {}}  # fmt: skip
     text = markdown(r)
     assert main_table(r) in text
-    assert "| grounded (10) | sd | 14.0 |" in text
+    assert "| grounded (10) | sd | 1000 (100%) | 14.0 |" in text
     assert "**missed**" in text and "a reason" in text  # a missed goal brings the limits section
     assert ("indicative only" in text) is quick
     words = " ".join(text.split())  # the column help is wrapped
@@ -155,13 +186,15 @@ def head_report(
     drafted = {"draft_tokens": 600, "accepted": 300, "acceptance_rate": 0.5}
     grounded, qa = r["workloads"]["grounded"]["methods"], r["workloads"]["qa"]["methods"]
     grounded["sd-head"] = row(14.0, head_grounded_tpf, **drafted)
-    grounded["csd-head"] = row(16.0, head_grounded_tpf * csd_head_tpf_gain, similarity=similarity)
+    grounded["csd-head"] = row(16.0, head_grounded_tpf * csd_head_tpf_gain, similarity=similarity, rescued=30)
     r["workloads"]["chat"] = {
         "prompts": 10,
         "methods": {
             "vanilla": row(10.0),
             "sd-head": row(head_chat_tps, head_chat_tpf, **drafted),
-            "csd-head": row(head_chat_tps * 1.1, head_chat_tpf * csd_head_tpf_gain, similarity=similarity),
+            "csd-head": row(
+                head_chat_tps * 1.1, head_chat_tpf * csd_head_tpf_gain, similarity=similarity, rescued=30
+            ),
         },
     }
     qa["csd-head"] = dict(
@@ -194,7 +227,8 @@ HEAD_GOALS = {
     "speed": "sd-head throughput >= 1.4x vanilla on chat",
     "lossless": "sd-head output identical to vanilla at temperature 0 on every prompt",
     "csd_gain": "csd-head tokens per target forward >= 1.2x sd-head's (all workloads)",
-    "qa": "csd-head QA accuracy not below vanilla by more than 2 points",
+    "qa": "csd-head QA accuracy not below vanilla by more than 2 points (whole answer and cut at vanilla's "
+    "length)",
     "similarity": "csd-head mean semantic similarity to vanilla >= 0.9 (all workloads)",
 }
 
@@ -237,7 +271,7 @@ def test_head_speed_goal_gives_its_reason_from_the_profile():
                                   "seconds_per_draft_token": 1e-4, "share_of_forward": 0.05}},
     }  # fmt: skip
     (goal,) = [g for g in evaluate_goals(r) if g["goal"] == HEAD_GOALS["speed"]]
-    assert goal["status"] == "missed" and goal["measured"] == "1.20x"
+    assert goal["status"] == "missed" and goal["measured"].startswith("1.20x [1.20, 1.20] on equal work")
     # 2.5 tokens per forward over a round costing 1.5 + 6 x 0.05 = 1.8 one-token forwards
     assert (
         "2.50 tokens per forward" in goal["note"] and "1.80" in goal["note"] and "about 1.39x" in goal["note"]
@@ -318,3 +352,98 @@ def test_fact_guard_effect_and_its_section():
     assert "| csd-head-unguarded | off | 50 | 6 | 12.0% | 5 | 0 | 1 | '1'->'2' x5 |" in text
     assert "The guard's benefit: 0 fact-changing rescues" in text
     assert "## Drafters compared" in text
+
+
+# ---------------------------------------------------------------- issue 19: goals that cannot flatter
+
+
+def goal_of(goals: list[dict], start: str) -> dict:
+    (goal,) = [g for g in goals if g["goal"].startswith(start)]
+    return goal
+
+
+def test_a_speed_goal_near_its_threshold_is_within_noise():
+    # 1.55x on average, but the prompts' times vary by +-40 %: the interval straddles 1.5
+    r = report(sd_tps=15.5, csd_tps=21.0, peer_tps=15.0, qa_diff=0.0)
+    r["workloads"]["grounded"]["methods"]["sd"] = row(15.5, 2.0, spread=0.4)
+    goal = goal_of(evaluate_goals(r), "sd throughput >= 1.5x vanilla")
+    assert goal["status"] == "within noise", goal
+    low, high = (float(x) for x in goal["measured"].split("[")[1].split("]")[0].split(","))
+    assert low < 1.5 < high
+    # the same mean with steady prompts is judged
+    r["workloads"]["grounded"]["methods"]["sd"] = row(15.5, 2.0)
+    assert goal_of(evaluate_goals(r), "sd throughput >= 1.5x vanilla")["status"] == "met"
+
+
+def test_a_column_that_rescued_nothing_does_not_meet_quality_goals():
+    r = report(sd_tps=16.0, csd_tps=21.0, peer_tps=15.0, qa_diff=0.0)
+    for workload in r["workloads"].values():
+        workload["methods"]["csd"]["rescued"] = 0
+    goals = evaluate_goals(r)
+    for start in ("csd mean semantic similarity", "csd OCM share", "csd QA accuracy"):
+        goal = goal_of(goals, start)
+        assert goal["status"] == "not measured" and "rescued nothing" in goal["note"], goal
+
+
+def test_qa_is_judged_on_the_answer_cut_at_vanillas_length_too():
+    r = report(sd_tps=16.0, csd_tps=21.0, peer_tps=15.0, qa_diff=0.0)
+    # the whole answers score as vanilla's, but cut at vanilla's length 5 points are lost (longer outputs)
+    r["workloads"]["qa"]["methods"]["csd"].update(
+        task_score_cut=0.45, task_diff_cut_vs_vanilla=-0.05, task_diff_cut_interval=[-0.1, 0.0]
+    )
+    goal = goal_of(evaluate_goals(r), "csd QA accuracy")
+    assert goal["status"] == "missed" and "cut at vanilla's length 45.0%" in goal["measured"]
+
+
+def quality_report(length_ratio: float = 1.0, turn_rescues: int = 0, changed: int = 0) -> dict:
+    r = head_report()
+    for workload in r["workloads"].values():
+        for label in ("sd", "csd", "sd-head", "csd-head"):
+            if label in workload["methods"]:
+                workload["methods"][label]["length_ratio"] = length_ratio if label.startswith("csd") else 1.0
+    r["workloads"]["chat"]["methods"]["sd"] = row(12.0, 1.5)
+    r["workloads"]["chat"]["methods"]["csd"] = row(13.0, 1.8, rescued=20)
+    r["methods"] = [
+        {"label": "csd", "method": "csd", "guard_facts": True, "guard_turns": True},
+        {"label": "csd-head", "method": "csd", "guard_facts": True, "guard_turns": True},
+        {"label": "csd-head-unguarded", "method": "csd", "guard_facts": False, "guard_turns": False},
+    ]
+    r["workloads"]["grounded"]["methods"]["csd-head-unguarded"] = row(16.0, 2.9, rescued=50, length_ratio=1.4)
+    r["rescued"] = {
+        "csd": {"turn_rescues": 0},
+        "csd-head": {"turn_rescues": turn_rescues},
+        "csd-head-unguarded": {"turn_rescues": 15},
+    }
+    r["output_fact_changes"] = {
+        "csd": {"changed": 0},
+        "csd-head": {"changed": changed},
+        "csd-head-unguarded": {"changed": 9},
+        "sd": {"changed": 0},
+    }
+    return r
+
+
+def test_issue_19_goals_follow_turns_lengths_and_facts():
+    goals = evaluate_goals(quality_report())
+    turn = goal_of(goals, "no rescue over an end-of-turn")
+    assert turn["status"] == "met" and "csd-head-unguarded 15" in turn["note"]
+    assert goal_of(goals, "output length of every guarded csd column")["status"] == "met"
+    facts = goal_of(goals, "no number, date or name")
+    assert facts["status"] == "met" and "csd-head-unguarded 9" in facts["note"]
+    # the unguarded column (140 % of vanilla's length) is not judged by the length goal, only shown
+    goals = evaluate_goals(quality_report(length_ratio=1.06, turn_rescues=2, changed=3))
+    assert goal_of(goals, "no rescue over an end-of-turn")["status"] == "missed"
+    length = goal_of(goals, "output length of every guarded csd column")
+    assert length["status"] == "missed" and "106.0%" in length["measured"]
+    assert goal_of(goals, "no number, date or name")["status"] == "missed"
+
+
+def test_the_gain_goal_needs_tokens_per_forward_similarity_and_qa_on_both_workloads():
+    goals = evaluate_goals(quality_report())
+    # csd over sd: grounded 2.8 / 2.0 = 1.4x, chat 1.8 / 1.5 = 1.2x, similarity 0.95, QA +0.0
+    assert goal_of(goals, "csd >= 1.1x sd's tokens per forward")["status"] == "met"
+    r = quality_report()
+    r["workloads"]["chat"]["methods"]["csd"]["similarity"] = 0.94
+    assert goal_of(evaluate_goals(r), "csd >= 1.1x sd's tokens per forward")["status"] == "missed"
+    # no combined columns ran: not measured
+    assert goal_of(goals, "csd-combined >= 1.1x")["status"] == "not measured"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from bench.calibration import engine_with_store
-from bench.runners import ForwardCounter, method_specs, run_engine, run_hf
+from bench.runners import ForwardCounter, method_specs, run_engine, run_hf, select_specs
 from ocm_store.memory import InMemoryStore
 from service.decoding import (
     CombinedDrafter,
@@ -86,6 +86,16 @@ def test_head_columns():
     assert not any("head" in label for label in (s.label for s in method_specs(with_draft_model=False)))
 
 
+def test_methods_keep_the_peer_unless_no_peer():
+    specs = method_specs(with_draft_model=False, with_head=True)
+    chosen = [s.label for s in select_specs(specs, ("vanilla", "csd-head"), peer=True)]
+    assert chosen == ["vanilla", "hf-greedy", "hf-pld", "csd-head"]
+    assert [s.label for s in select_specs(specs, ("vanilla", "csd-head"), peer=False)] == [
+        "vanilla",
+        "csd-head",
+    ]
+
+
 def test_forward_counter_counts_and_detaches(embedded):
     import torch
 
@@ -112,7 +122,30 @@ def test_the_unguarded_column_turns_the_fact_guard_off():
             run_engine(Recorder(), specs[label], [1, 2], 4, SpeculativeConfig(tau=0.05))  # type: ignore[arg-type]
         spec, drafter = asked.value.args
         assert spec.guard_facts is guarded and spec.tau == 0.05 and spec.method is Method.CSD, label
+        assert spec.guard_turns is guarded, label  # the unguarded column is the paper's CSD: no guard at all
         assert drafter == specs[label].drafter
+
+
+def test_every_csd_column_has_an_ocm_of_its_own(embedded):
+    """Columns sharing one OCM learn from each other's rescues: their figures then depend on the order of the
+    columns (issue 19). Each column with an OCM gets its own engine and its own copy of the calibrated one."""
+    from bench.config import BenchConfig
+    from bench.context import Bench
+
+    calibrated = InMemoryStore()
+    bench = Bench(
+        BenchConfig(), embedded, None, {"ngram": NgramDrafter()}, progress=None, calibrated=calibrated
+    )  # type: ignore[arg-type]
+    namespace = next(iter(engine_with_store(embedded, bench.drafters, calibrated).memories.values()))
+    namespace.record([(5, 6)] * 7)  # the calibration's count
+    specs = [s for s in method_specs(with_draft_model=False, with_peer=False) if s.method is Method.CSD]
+    engines = bench.engines(specs)
+    memories = [engines[s.label].memories["ngram"] for s in specs]
+    assert len({id(m) for m in memories}) == len(specs)
+    memories[0].record([(5, 6)])  # one column learns online
+    by_label = {s.label: engines[s.label].memories["ngram"].counts([(5, 6)])[0] for s in specs}
+    # every calibrated column starts from the calibration's 7 (the learning one has 8); csd-cold from nothing
+    assert by_label == {s.label: (0 if s.ocm == "cold" else 7) + (s is specs[0]) for s in specs}
 
 
 def test_drafter_cost_times_every_drafter(embedded, tiny, embedded_head):

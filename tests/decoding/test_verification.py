@@ -15,6 +15,7 @@ from service.decoding.verification import (
     lossy_rule,
     recording_rule,
     sampling_probs,
+    token_set_guard,
     verify_greedy,
     verify_sampling,
 )
@@ -168,10 +169,10 @@ def test_the_fact_guard_never_rescues_a_guarded_token_but_still_records_it():
     # 3 would be rescued over 5 (a recurring pattern, plausible); guarding either token refuses it
     for guarded in ({3}, {5}):
         v = verify_greedy(
-            [1, 3], MISMATCH_AT_1, calibrated_rule(mem, 6, tau=0.01, guarded=frozenset(guarded))
+            [1, 3], MISMATCH_AT_1, calibrated_rule(mem, 6, 0.01, [token_set_guard(frozenset(guarded))])
         )
         assert provenances(v) == [(1, Provenance.ACCEPTED), (5, Provenance.RECOVERED)]
-    v = verify_greedy([1, 3], MISMATCH_AT_1, calibrated_rule(mem, 6, tau=0.01, guarded=frozenset({7})))
+    v = verify_greedy([1, 3], MISMATCH_AT_1, calibrated_rule(mem, 6, 0.01, [token_set_guard(frozenset({7}))]))
     assert v.tokens[1].provenance is Provenance.RESCUED
     assert store.counts(NS, [(3, 5)]) == [13]  # each of the three rounds recorded the pattern
 
