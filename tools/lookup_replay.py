@@ -46,7 +46,9 @@ def ours(min_n: int, max_n: int) -> Proposer:
     return propose
 
 
-def replay(prompt: list[int], output: list[int], propose: Proposer, k: int, max_tokens: int) -> tuple[int, int]:
+def replay(
+    prompt: list[int], output: list[int], propose: Proposer, k: int, max_tokens: int
+) -> tuple[int, int]:
     """(tokens, target forwards); `output` ends with the EOS the target chose, if it chose one."""
     done, forwards = 0, 0
     while done < len(output):
@@ -63,9 +65,16 @@ def replay(prompt: list[int], output: list[int], propose: Proposer, k: int, max_
 def record(args: argparse.Namespace) -> None:
     import torch
 
-    from bench.workloads import load_workload
-    from service.decoding import Engine, Method, NgramDrafter, SamplingParams, SpeculativeConfig, load_model
-    from service.decoding import run_alone
+    from bench.workloads import Prompt, load_workload
+    from service.decoding import (
+        Engine,
+        Method,
+        NgramDrafter,
+        SamplingParams,
+        SpeculativeConfig,
+        load_model,
+        run_alone,
+    )
 
     torch.set_num_threads(args.threads)
     target = load_model(args.model)
@@ -76,18 +85,27 @@ def record(args: argparse.Namespace) -> None:
     for name in args.workloads.split(",") if args.workloads else []:
         prompts += [(name, p.id, p.token_ids(target.tokenizer)) for p in load_workload(name, args.limit)]
     for path in args.jsonl or []:
-        from bench.workloads import Prompt
-
         for line in Path(path).read_text().splitlines():
             x = json.loads(line)
-            prompts.append((Path(path).stem, x["id"], Prompt(x["id"], "x", x["prompt"]).token_ids(target.tokenizer)))
+            prompts.append(
+                (Path(path).stem, x["id"], Prompt(x["id"], "x", x["prompt"]).token_ids(target.tokenizer))
+            )
     for workload, pid, ids in prompts:
-        g = engine.generate(ids, SamplingParams(max_tokens=args.max_tokens), SpeculativeConfig(method=Method.SD))
+        g = engine.generate(
+            ids, SamplingParams(max_tokens=args.max_tokens), SpeculativeConfig(method=Method.SD)
+        )
         for _ in run_alone(g):
             pass
         out = [t.token_id for t in g.tokens]
         finished_eos = bool(g.stats.num_eos)
-        records.append({"workload": workload, "id": pid, "prompt": ids, "output": out + ([eos[0]] if finished_eos else [])})
+        records.append(
+            {
+                "workload": workload,
+                "id": pid,
+                "prompt": ids,
+                "output": out + ([eos[0]] if finished_eos else []),
+            }
+        )
         print(workload, pid, len(out), g.finish_reason, file=sys.stderr)
         # written after every prompt: a long recording can be stopped and still replayed
         Path(args.out).write_text(json.dumps({"max_tokens": args.max_tokens, "records": records}))
