@@ -32,7 +32,7 @@ class BenchConfig:
     lambda_: float = 6
     tau: float = 0.01
     lossy_threshold: float = 0.6
-    ngram_min: int = 2
+    ngram_min: int = 1  # the service default (service/config.py)
     ngram_max: int = 4
     # the trained draft head ("embedded": the shipped one, when the target is the embedded model and its weights
     # exist; a folder; None: no head columns)

@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     adaptive_speculation: bool = Field(
         True, description="verify only as much of a draft as pays for itself (measured forward costs)"
     )
-    ngram_min: int = Field(2, ge=1)
+    ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
 
     # ---- Online Correction Memory

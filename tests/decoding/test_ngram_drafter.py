@@ -62,6 +62,29 @@ def test_min_n_bounds_the_match_length():
     assert propose(tokens, min_n=1) == [9, 5, 3]  # the 1-gram (3) matches at 0
 
 
+@pytest.mark.parametrize(
+    "tokens, k, draft, key",
+    [
+        # no earlier 2-gram (5, 3): the lone token 3 matches at 0 and proposes what followed it
+        ([3, 9, 5, 3], 8, [9, 5, 3], 1),
+        # 4 occurs at 0 and 2 before the suffix: the most recent one (followed by 8) proposes
+        ([4, 7, 4, 8, 4], 2, [8, 4], 1),
+        # a 2-gram match beats a more recent 1-gram one
+        ([6, 4, 7, 4, 8, 6, 4], 2, [7, 4], 2),
+        # the longest match up to max_n = 4 wins, however old
+        ([1, 2, 3, 4, 5, 0, 2, 3, 4, 6, 0, 1, 2, 3, 4], 2, [5, 0], 4),
+        # nothing matches: no draft (a plain decoding round)
+        ([1, 2, 3], 8, [], 0),
+    ],
+)
+def test_default_drafter_falls_back_to_one_token_matches(tokens, k, draft, key):
+    """The served default (min_n 1, max_n 4; docs/prompt-lookup.md): the longest suffix n-gram with an
+    earlier occurrence, its most recent occurrence, down to a single token."""
+    rows = NgramDrafter().rows()
+    (proposed,) = rows.propose([DraftRow("s", tokens, k, SamplingParams(), None, None)])
+    assert (proposed.tokens, proposed.key) == (draft, key)
+
+
 def test_bad_ngram_sizes_are_refused():
     with pytest.raises(DecodingError, match="min_n"):
         NgramDrafter(3, 2)

@@ -2,6 +2,15 @@
 
 Training-free and nearly free to run: it wins where the output copies its input (summaries, rewrites,
 extraction, code edits) and has nothing to say on open chat.
+
+Which match (docs/prompt-lookup.md has the measurements): the suffix is looked up for n = max_n down to
+min_n = 1, and the most recent occurrence of the longest matching n-gram proposes. A lone matching token
+(n = 1) still proposes: after a copied word the next words are usually copied too, and a draft the target
+rejects costs a plain decoding round no more target forwards. Without the 1-gram fallback (min_n 2, our old
+default) we kept 1.78 tokens per forward on unseen grounded prompts where transformers' prompt lookup (2..1,
+first occurrence) kept 1.90; with it, 2.00. The most recent occurrence beats the first one (1.91 at 4..1):
+what the output just wrote is the likeliest to recur. Whether a short match's draft is worth verifying is
+the draft policy's call (its survival rates are keyed by the match length), not the drafter's.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ class NgramDrafter:
     name = "ngram"
     identity = "ngram"
 
-    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise DecodingError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n = min_n
