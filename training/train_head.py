@@ -46,6 +46,9 @@ class TrainConfig:
     holdout_share: float = 0.03
     eval_positions: int = 8192
     bf16: bool = True  # autocast on CPUs with bf16 matmuls (AVX512-BF16 / AMX) and on GPUs
+    # fine-tuning (training/traffic.py): start from this head's weights and keep its draft vocabulary
+    # (inner_size, num_blocks and draft_vocab then come from the head); pair it with fewer steps, a lower lr
+    init_from: Path | None = None
 
 
 @dataclass
@@ -81,6 +84,12 @@ def rank_vocabulary(
     size = min(size, int((counts > 0).sum()))
     top = counts.argsort(descending=True)[:size]
     return top.sort().values, float(counts[top].sum()) / max(1, len(labels))
+
+
+def vocabulary_coverage(tokens: torch.Tensor, spans: list[tuple[int, int]], vocab: torch.Tensor) -> float:
+    """The share of answer tokens (labels) that `vocab` holds."""
+    labels = torch.cat([tokens[a + 1 : b] for a, b in spans])
+    return float(torch.isin(labels, vocab).float().mean()) if len(labels) else 0.0
 
 
 def _positions(spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -165,7 +174,13 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
     eval_spans = [spans[i] for i in order[:held]]
     train_spans = [spans[i] for i in order[held:]]
     draft_vocab, coverage = rank_vocabulary(data.tokens, train_spans, config.draft_vocab)
-    remap = torch.full((int(data.tokens.max()) + 1,), -100, dtype=torch.long)
+    start = RecurrentDraftHead.load(config.init_from) if config.init_from is not None else None
+    if start is not None:
+        draft_vocab, coverage = (
+            start.draft_vocab,
+            vocabulary_coverage(data.tokens, train_spans, start.draft_vocab),
+        )
+    remap = torch.full((max(int(data.tokens.max()), int(draft_vocab.max())) + 1,), -100, dtype=torch.long)
     remap[draft_vocab] = torch.arange(len(draft_vocab))
     log.info(
         "%d answers (%d held out), %d positions; draft vocabulary %d covers %.1f %% of answer tokens",
@@ -187,7 +202,9 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
         target_name=target.name,
         rms_norm_eps=float(getattr(model.config, "rms_norm_eps", 1e-5)),
     )
-    head = RecurrentDraftHead(head_config, draft_vocab).bind(embed, lm_head)
+    if start is not None:
+        head_config = start.config
+    head = (start or RecurrentDraftHead(head_config, draft_vocab)).float().bind(embed, lm_head)
     head.train()
     train_starts = _positions(train_spans)
     eval_starts = _positions(eval_spans)
@@ -240,7 +257,7 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
         held_out = evaluate(head, data, eval_starts, remap, config)
     log.info("held out: %s", held_out)
     report = {
-        "config": asdict(config),
+        "config": {**asdict(config), "init_from": str(config.init_from) if config.init_from else None},
         "data": {
             "files": [str(f) for f in files],
             "answers": len(spans),
