@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -238,3 +239,43 @@ def test_a_folder_that_cannot_be_written_never_fails_a_request(tmp_path: Path) -
         assert "Traceback" not in server.log()
     finally:
         server.stop()
+
+
+def test_the_whole_loop_record_fine_tune_reload(
+    recording: tuple[Server, Path], embedded, tmp_path: Path
+) -> None:
+    """Tiny mode of `python -m training --from-traffic`: the records this module's requests left, a few
+    fine-tuning steps, and a reload of the result into the server that recorded them."""
+    from training.traffic import fine_tune, fine_tune_config
+
+    server, folder = recording
+    records = list(read_traffic(folder))
+    config = fine_tune_config(epochs=1.0, batch_size=32, warmup_steps=1, eval_positions=64)
+    torch.set_num_threads(1)
+    report = fine_tune(embedded, folder, EMBEDDED_HEAD_DIR, tmp_path / "traffic-head", config, holdout=0.3)
+    assert report["records"]["usable"] + sum(report["records"]["skipped"].values()) == len(records)
+    assert report["records"]["train"] >= 1 and report["records"]["held_out"] >= 1
+    assert report["steps"] >= 1 and report["before"]["positions"] == report["after"]["positions"] > 0
+    assert (tmp_path / "traffic-head" / "traffic.json").exists()
+    answer = httpx.post(
+        f"{server.url}/v1/admin/reload_drafter", json={"folder": str(tmp_path / "traffic-head")}, timeout=60
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["identity"].startswith("head:traffic-head@")
+    spec = {"speculative": {"method": "sd", "drafter": "head"}}
+    after = _client(server).completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, extra_body=spec
+    )
+    assert after.model_extra["speculative"]["draft_tokens"] > 0
+
+
+def test_sighup_reloads_the_head_from_its_folder(recording: tuple[Server, Path]) -> None:
+    server, _ = recording
+    reloads = server.metrics().value("csd_draft_head_reloads_total", outcome="ok")
+    server.proc.send_signal(signal.SIGHUP)
+    assert wait_until(
+        lambda: server.metrics().value("csd_draft_head_reloads_total", outcome="ok") == reloads + 1,
+        timeout=30,
+    ), server.log()
+    assert "SIGHUP: draft head reloaded" in server.log()
+    assert server.proc.poll() is None  # the signal reloads, it does not stop the server
