@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import re
@@ -175,25 +176,40 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--finetune-epochs", type=float, default=None)
     parser.add_argument("--no-serve-check", action="store_true")
+    parser.add_argument(
+        "--reuse-traffic",
+        action="store_true",
+        help="skip recording: fine-tune on what WORK/traffic holds already (a recording cut short)",
+    )
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     work: Path = args.work.resolve()
     traffic = work / "traffic"
-    if traffic.exists() and any(traffic.iterdir()):
-        raise SystemExit(f"{traffic} holds recorded traffic already: pick another --work")
+    has_traffic = traffic.exists() and any(traffic.iterdir())
+    if has_traffic and not args.reuse_traffic:
+        raise SystemExit(f"{traffic} holds recorded traffic already: pick another --work, or --reuse-traffic")
     work.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
+    # the check prompts exclude all --requests prompts, recorded or not
     recorded_prompts = support_requests(args.requests, args.seed)
     check_prompts = support_requests(args.check_requests, args.seed + 1, exclude=set(recorded_prompts))
 
-    t0 = time.perf_counter()
-    proc, url = start_server(work, args.threads, "--record-traffic", str(traffic), "--max-batch-size", "8")
-    try:
-        # the server's default speculation (csd, combined): what an operator's traffic is served with
-        answers = ask_all(url, recorded_prompts, args.max_tokens, args.clients, {})
-    finally:
-        stop_server(proc)  # writes what is queued
-    timings["record_s"] = round(time.perf_counter() - t0, 1)
-    recorded = served_figures(answers)
+    if args.reuse_traffic:
+        from service.traffic import read_traffic
+
+        recorded = {"reused": str(traffic), "records": len(list(read_traffic(traffic)))}
+    else:
+        t0 = time.perf_counter()
+        proc, url = start_server(
+            work, args.threads, "--record-traffic", str(traffic), "--max-batch-size", "8"
+        )
+        try:
+            # the server's default speculation (csd, combined): what an operator's traffic is served with
+            answers = ask_all(url, recorded_prompts, args.max_tokens, args.clients, {})
+        finally:
+            stop_server(proc)  # writes what is queued
+        timings["record_s"] = round(time.perf_counter() - t0, 1)
+        recorded = served_figures(answers)
 
     import torch
 

@@ -97,6 +97,9 @@ def select_records(records: list[dict], target: LoadedModel) -> tuple[list[dict]
         if record.get("model") != identity:
             skipped["other_model"] += 1
             continue
+        if not record.get("end_token_known", True):  # ended on one of several stop tokens: which is unknown
+            skipped["unknown_end"] = skipped.get("unknown_end", 0) + 1
+            continue
         if len(record["answer_ids"]) < MIN_ANSWER_TOKENS or len(record["prompt_ids"]) < 2:
             skipped["short"] += 1
             continue

@@ -546,10 +546,11 @@ class EngineWorker:
         plan, generation = active.job.plan, active.generation
         answer = [t.token_id for t in generation.tokens]
         stats = generation.stats
-        if stats.num_eos:  # it ended on its end-of-turn token, which the emitted tokens leave out
-            eos = sorted(generation.eos_ids)
-            tokenizer_eos = self.engine.target.tokenizer.eos_token_id
-            answer.append(tokenizer_eos if len(eos) != 1 and tokenizer_eos in eos else eos[0])
+        # It ended on its end-of-turn token, which the emitted tokens leave out: appended when there is only
+        # one it could be (a request's stop_token_ids add others, and which one ended it is not kept).
+        end_known = not stats.num_eos or len(generation.eos_ids) == 1
+        if stats.num_eos and end_known:
+            answer.extend(generation.eos_ids)
         drafter = generation.drafter
         return {
             "v": 1,
@@ -560,6 +561,8 @@ class EngineWorker:
             "drafter_identity": drafter.identity if drafter is not None else None,
             "temperature": plan.sampling_for(active.index).temperature,
             "finish_reason": generation.finish_reason or "stop",
+            "ended_on_end_token": bool(stats.num_eos),
+            "end_token_known": end_known,
             "prompt_ids": list(plan.prompt_ids),
             "answer_ids": answer,
             "target_forwards": stats.target_forwards,
