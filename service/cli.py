@@ -69,7 +69,7 @@ _SETTING_FLAGS = (
     "num_speculative_tokens", "tau", "lambda_", "ngram_min", "ngram_max", "host", "port", "api_keys",
     "served_model_name", "torch_threads", "max_queue", "max_batch_size", "max_batched_tokens", "max_tokens_cap", "default_max_tokens",
     "default_temperature", "request_timeout_s", "max_body_bytes", "body_timeout_s", "shutdown_grace_s",
-    "tool_call_parser",
+    "tool_call_parser", "record_traffic", "record_traffic_max_bytes",
 )  # fmt: skip
 
 
@@ -505,6 +505,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown-grace", dest="shutdown_grace_s", type=float, metavar="SECONDS", help="to drain on SIGTERM"
     )
     g.add_argument("--torch-threads", type=int, help="torch intra-op threads")
+    g.add_argument(
+        "--record-traffic",
+        type=Path,
+        metavar="DIR",
+        help="record served token ids (never text) to DIR for `python -m training --from-traffic DIR` "
+        "(default: off; CSD_RECORD_TRAFFIC)",
+    )
+    g.add_argument(
+        "--record-traffic-max-bytes", type=int, metavar="BYTES", help="recording stops at this size (1 GiB)"
+    )
     g.add_argument("--log-level", choices=LOG_LEVELS, help="default: CSD_LOG_LEVEL, or info")
     from service.config import ToolCallParserName
 

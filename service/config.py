@@ -98,12 +98,28 @@ class Settings(BaseSettings):
     )
     ready_probe_timeout_s: float = Field(30.0, gt=0, description="how long /ready waits for its probe")
 
+    # ---- traffic recording (the privacy switch: off unless a folder is given; docs/traffic-learning.md)
+    record_traffic: Path | None = Field(
+        None,
+        description="record served generations' token ids (never text) to this folder, to fine-tune the "
+        "draft head on them; empty: nothing is recorded",
+    )
+    record_traffic_max_bytes: int = Field(
+        1 << 30, ge=1024, description="compressed bytes recording may write in all; then it stops"
+    )
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):  # CSD_API_KEYS="k1,k2"
             return [k.strip() for k in value.split(",") if k.strip()]
         return value
+
+    @field_validator("record_traffic", mode="before")
+    @classmethod
+    def _empty_is_off(cls, value: object) -> object:
+        # CSD_RECORD_TRAFFIC="" means off, never the current folder
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("lambda_", mode="before")
     @classmethod

@@ -18,6 +18,8 @@ import shutil
 import time
 from pathlib import Path
 
+from training import traffic
+
 DEFAULT_WORK = Path("training/runs/smollm2-135m")
 # The corpus is the expensive part (generation) and small as token ids: it is committed, so a later run
 # resumes it where the last one stopped instead of writing it again.
@@ -68,8 +70,12 @@ def main(argv: list[str] | None = None) -> None:
         "--install-to", type=Path, default=None, help="copy the trained head here (default: the package's)"
     )
     parser.add_argument("--stop-after", choices=["corpus", "features", "train"], default=None)
+    traffic.add_arguments(parser)  # --from-traffic DIR, --head, --holdout, --out
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.from_traffic is not None:
+        traffic.main(args)
+        return
 
     import torch
 

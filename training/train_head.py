@@ -102,6 +102,12 @@ def rank_vocabulary(
     return top.sort().values, float(counts[top].sum()) / max(1, len(labels))
 
 
+def vocabulary_coverage(tokens: torch.Tensor, spans: list[tuple[int, int]], vocab: torch.Tensor) -> float:
+    """The share of answer tokens (labels) that `vocab` holds."""
+    labels = torch.cat([tokens[a + 1 : b] for a, b in spans])
+    return float(torch.isin(labels, vocab).float().mean()) if len(labels) else 0.0
+
+
 def _positions(spans: list[tuple[int, int]]) -> torch.Tensor:
     """Start positions with at least one label after them."""
     return torch.cat([torch.arange(a, b - 1) for a, b in spans if b - a >= 2])
@@ -263,11 +269,10 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
         if config.extend_vocab:
             frequent, _ = rank_vocabulary(data.tokens, train_spans, config.extend_vocab)
             draft_vocab = torch.unique(torch.cat([draft_vocab, frequent]))  # sorted, like a ranked one
-        labels = torch.cat([data.tokens[a + 1 : b] for a, b in train_spans])
-        coverage = float(torch.isin(labels, draft_vocab).float().mean())
+        coverage = vocabulary_coverage(data.tokens, train_spans, draft_vocab)
     else:
         draft_vocab, coverage = rank_vocabulary(data.tokens, train_spans, config.draft_vocab)
-    remap = torch.full((int(data.tokens.max()) + 1,), -100, dtype=torch.long)
+    remap = torch.full((max(int(data.tokens.max()), int(draft_vocab.max())) + 1,), -100, dtype=torch.long)
     remap[draft_vocab] = torch.arange(len(draft_vocab))
     log.info(
         "%d answers (%d held out), %d positions; draft vocabulary %d covers %.1f %% of answer tokens",
@@ -302,7 +307,7 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
             raise ValueError(
                 f"cannot start from {config.init_from}: {missing} missing, {unexpected} unexpected"
             )
-    head = head.bind(embed, lm_head)
+    head = head.float().bind(embed, lm_head)
     head.train()
     train_starts = _positions(train_spans)
     eval_starts = _positions(eval_spans)

@@ -15,7 +15,7 @@ from service.api.errors import install_error_handlers
 from service.api.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
 from service.api.openapi import install_openapi
 from service.api.request_id import RequestIdMiddleware
-from service.api.routers import completions, health, metrics, models, ocm, playground, tokenize
+from service.api.routers import admin, completions, health, metrics, models, ocm, playground, tokenize
 from service.api.state import ServiceState
 from service.config import Settings
 from service.runtime import Runtime
@@ -49,7 +49,9 @@ def create_app(
     app.state.csd = state
     install_error_handlers(app)
     install_openapi(app)
-    routers = [module.router for module in (completions, models, tokenize, health, metrics, ocm, playground)]
+    routers = [
+        module.router for module in (completions, models, tokenize, health, metrics, ocm, playground, admin)
+    ]
     for router in routers:
         app.include_router(router)
     # add_middleware wraps: the last added runs first, so the metrics middleware sees every response,

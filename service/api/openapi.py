@@ -22,6 +22,7 @@ ERRORS = {
     401: "missing or wrong API key",
     404: "unknown model",
     408: "the request body did not arrive in full within the body timeout",
+    409: "the server runs nothing this request could act on (e.g. no draft head to reload)",
     413: "request body too large",
     429: "queue full; see Retry-After",
     500: "the engine failed on this request (the server keeps serving)",

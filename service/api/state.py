@@ -10,13 +10,17 @@ requests to 503 while running requests drain; `stop()` cancels what is left and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from ocm_store.base import StoreStatus
 from service.api.errors import UNAVAILABLE, APIError
+from service.api.head_reload import HeadCollector, HeadReloads, reload_head
 from service.api.metrics import OCMStoreCollector, ServiceMetrics
 from service.api.worker import DoneEvent, EngineWorker, ErrorEvent, GenerationPlan, Job
 from service.config import Settings
@@ -24,6 +28,7 @@ from service.decoding import DecodingError, Method, SamplingParams, SpeculativeC
 from service.decoding.paths import model_display_name
 from service.decoding.text import encode_prompt
 from service.runtime import Runtime
+from service.traffic import TrafficCollector, TrafficRecorder
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,12 @@ class ServiceState:
             max_tokens=settings.max_tokens_cap,
         )
         self.metrics.registry.register(OCMStoreCollector(self.store_status, self.metrics.model_name))
+        self.recorder: TrafficRecorder | None = None  # opt-in (settings.record_traffic)
+        self.metrics.registry.register(TrafficCollector(lambda: self.recorder, self.metrics.model_name))
+        self.head_reloads = HeadReloads()
+        self.metrics.registry.register(
+            HeadCollector(lambda: self.runtime, self.head_reloads, self.metrics.model_name)
+        )
         self.runtime: Runtime | None = None
         self._given_runtime = runtime
         self.worker: EngineWorker | None = None
@@ -101,6 +112,8 @@ class ServiceState:
         default_drafter = settings.drafter if settings.speculative_config().speculates else "none"
         self.metrics.max_batch_size = runtime.settings.max_batch_size  # 1 when the model cannot be batched
         self.metrics.touch(settings.method.value, default_drafter, settings.num_speculative_tokens)
+        if settings.record_traffic is not None:
+            self.recorder = TrafficRecorder(settings.record_traffic, settings.record_traffic_max_bytes)
         self.worker = EngineWorker(
             runtime.engine,
             self.metrics,
@@ -109,8 +122,11 @@ class ServiceState:
             max_batch_size=runtime.settings.max_batch_size,  # 1 when the model cannot be batched
             max_batched_tokens=settings.max_batched_tokens,
             idle_work=runtime.refine_costs,
+            record=self.recorder.record if self.recorder is not None else None,
+            model_identity=f"{runtime.target.name}@{runtime.target.revision}",
         )
         self.worker.start()
+        self._reload_on_sighup()
         log.info("model %s loaded; probing", runtime.model_id)
         self._probe_task = asyncio.get_running_loop().create_task(self._probe())
 
@@ -144,8 +160,34 @@ class ServiceState:
             self._probe_task.cancel()
         if self.worker is not None:
             await asyncio.to_thread(self.worker.stop)
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.close)
         if self.runtime is not None:
             await asyncio.to_thread(self.runtime.close)
+
+    # ------------------------------------------------------------ draft head reload
+
+    async def reload_head(self, folder: Path | None = None) -> dict:
+        """Load a draft head (default: the one the server started with), check it against the target, and
+        swap it in between two engine rounds. Raises APIError (the old head keeps serving) when it cannot."""
+        runtime, worker = self.require_serving()
+        return await reload_head(runtime, worker, folder, self.head_reloads)
+
+    def _reload_on_sighup(self) -> None:
+        """SIGHUP reloads the head from its folder (a server process only: signals need the main thread)."""
+        if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGHUP"):
+            return
+        loop = asyncio.get_running_loop()
+
+        async def reload() -> None:
+            try:
+                result = await self.reload_head(None)
+                log.info("SIGHUP: draft head reloaded: %s", result["identity"])
+            except APIError as exc:
+                log.error("SIGHUP: draft head not reloaded: %s", exc.message)
+
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload()))
 
     # ------------------------------------------------------------ serving
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -184,8 +185,16 @@ class EngineWorker:
         max_batch_size: int = 1,
         max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
         idle_work: Callable[[], bool] | None = None,
+        record: Callable[[dict], None] | None = None,
+        model_identity: str = "",
     ) -> None:
         self.engine = engine
+        # opt-in traffic recording (service/traffic.py): called with each finished generation's token ids;
+        # it only queues them, so the engine thread never waits on a disk
+        self._record = record
+        self._model_identity = model_identity  # name@revision, what a recorded record was answered by
+        # work that must run on this thread between two rounds (a drafter swap): (function, its future)
+        self._between: list[tuple[Callable[[], object], concurrent.futures.Future]] = []
         # model work that may run only while no request does (the rest of a cost measurement): one slice
         # per call, True while more is left. On this thread, so it never races a request's forward.
         self._idle_work = idle_work
@@ -250,6 +259,29 @@ class EngineWorker:
         ahead = max(1, in_system - self.max_batch_size - self.max_queue + 1)
         return int(min(60, max(1, math.ceil(self._mean_job_seconds * ahead / self.max_batch_size))))
 
+    def between_rounds(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread after the round in progress and before the next one (or at once
+        when idle); the future gives its result or exception. Nothing in flight is dropped."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._stopping:
+                future.set_exception(
+                    APIError(503, "the server is shutting down", type=UNAVAILABLE, code="shutting_down")
+                )
+                return future
+            self._between.append((fn, future))
+            self._lock.notify()
+        return future
+
+    def _run_between(self) -> None:
+        with self._lock:
+            pending, self._between = self._between, []
+        for fn, future in pending:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
     def end_all(self, error: APIError) -> int:
         """Answer every waiting and running job with `error` now (from the event loop, without waiting for
         the round in progress) and stop them; the worker drops them between rounds. Returns how many."""
@@ -286,6 +318,7 @@ class EngineWorker:
         while True:
             if not self._admit():
                 return
+            self._run_between()
             self._drop_stopped()
             if not self._active:
                 continue
@@ -333,7 +366,7 @@ class EngineWorker:
         """Move waiting jobs into the batch while it has room; block while there is nothing to do.
         False when the worker must stop."""
         with self._lock:
-            while not self._waiting and not self._active and not self._stopping:
+            while not self._waiting and not self._active and not self._stopping and not self._between:
                 if self._idle_work is None:
                     self._lock.wait()
                     continue
@@ -501,7 +534,41 @@ class EngineWorker:
                 generation.finish_reason or "stop", generation.text, generation.stats, index=active.index
             )
         )
+        if self._record is not None and not plan.internal:
+            try:
+                self._record(self._traffic_record(active))
+            except Exception:  # recording must never cost a request anything
+                log.exception("could not record a finished generation")
         self._mean_job_seconds = 0.8 * self._mean_job_seconds + 0.2 * (now - active.started)
+
+    def _traffic_record(self, active: _Active) -> dict:
+        """What fine-tuning needs of one finished generation (service/traffic.py): token ids, no text."""
+        plan, generation = active.job.plan, active.generation
+        answer = [t.token_id for t in generation.tokens]
+        stats = generation.stats
+        # It ended on its end-of-turn token, which the emitted tokens leave out: appended when there is only
+        # one it could be (a request's stop_token_ids add others, and which one ended it is not kept).
+        end_known = not stats.num_eos or len(generation.eos_ids) == 1
+        if stats.num_eos and end_known:
+            answer.extend(generation.eos_ids)
+        drafter = generation.drafter
+        return {
+            "v": 1,
+            "time": round(time.time(), 3),
+            "model": self._model_identity,
+            "method": plan.method,
+            "drafter": plan.drafter_label,
+            "drafter_identity": drafter.identity if drafter is not None else None,
+            "temperature": plan.sampling_for(active.index).temperature,
+            "finish_reason": generation.finish_reason or "stop",
+            "ended_on_end_token": bool(stats.num_eos),
+            "end_token_known": end_known,
+            "prompt_ids": list(plan.prompt_ids),
+            "answer_ids": answer,
+            "target_forwards": stats.target_forwards,
+            "draft_tokens": stats.num_draft_tokens,
+            "accepted_tokens": stats.num_accepted,
+        }
 
 
 def _stopped(reason: str) -> APIError:

@@ -37,6 +37,7 @@ SETTING_DEPENDENT = {
     "unsupported_parameter",
     "max_tokens_exceeded",
     "context_length_exceeded",
+    "invalid_draft_head",  # a reload's folder: what the server's disk holds
 } | SCHEMA_UNSTATED
 CONFIG = SchemathesisConfig.from_dict(
     {
@@ -73,6 +74,7 @@ OPERATIONS = [
     ("GET", "/health"),
     ("GET", "/ready"),
     ("GET", "/metrics"),
+    ("POST", "/v1/admin/reload_drafter"),
 ]
 
 

@@ -58,6 +58,16 @@ class HeadDrafter:
     def identity(self) -> str:
         return self._identity
 
+    def take_weights(self, other: HeadDrafter) -> None:
+        """Draft with `other`'s head from now on (a reload, already checked by `other`'s constructor). Call it
+        between rounds: the rows hold no state of the head's, so running generations draft with it next round."""
+        self.head, self.vocab_size, self.folder, self._identity = (
+            other.head,
+            other.vocab_size,
+            other.folder,
+            other._identity,
+        )
+
     def rows(self) -> HeadRows:
         return HeadRows(self)
 

@@ -1,0 +1,141 @@
+"""Reload the draft head without a restart (POST /v1/admin/reload_drafter, or SIGHUP).
+
+1. load the new head off the engine thread and check it against the target: `HeadDrafter`'s constructor
+   refuses another vocabulary (hash) or hidden size; any error leaves the old head serving;
+2. swap it between two engine rounds (`EngineWorker.between_rounds`): the running `HeadDrafter` takes the
+   new weights in place, so the `head` and `combined` drafters and every generation in flight draft with it
+   from the next round on; nothing in flight is dropped;
+3. the OCM namespaces of `head` and `combined` follow the new identity (a divergence pattern belongs to
+   one model pair), for generations started after the swap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ocm_store.base import Namespace
+from service.api.errors import APIError
+from service.api.worker import EngineWorker
+from service.decoding import DecodingError, HeadDrafter, vocabulary_hash
+from service.decoding.draft_head import EMBEDDED_HEAD_DIR
+from service.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+HEAD_DRAFTERS = ("head", "combined")  # drafters that draft with the head
+
+
+@dataclass
+class HeadReloads:
+    """Counts of reloads, by outcome, for /metrics."""
+
+    outcomes: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0})
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reload at a time
+
+
+def configured_head_folder(runtime: Runtime) -> Path | None:
+    """The folder the server loaded its head from (what a reload without a folder reads again)."""
+    head = runtime.engine.drafters.get("head")
+    if isinstance(head, HeadDrafter):
+        return head.folder
+    draft_head = runtime.settings.draft_head
+    if draft_head == "embedded":
+        return EMBEDDED_HEAD_DIR
+    return Path(draft_head) if draft_head else None
+
+
+def _swap(runtime: Runtime, new: HeadDrafter) -> str:
+    """On the engine thread, between rounds."""
+    running = runtime.engine.drafters["head"]
+    assert isinstance(running, HeadDrafter)
+    running.take_weights(new)
+    target_id = f"{runtime.target.name}@{runtime.target.revision}"
+    vocab = vocabulary_hash(runtime.target.tokenizer)
+    for name in HEAD_DRAFTERS:
+        drafter = runtime.engine.drafters.get(name)
+        if drafter is None:
+            continue
+        namespace = Namespace(target_id, drafter.identity, vocab)
+        runtime.namespaces[name] = namespace
+        runtime.engine.memories[name] = runtime.store.memory(namespace)
+    return running.identity
+
+
+async def reload_head(
+    runtime: Runtime, worker: EngineWorker, folder: Path | None, reloads: HeadReloads
+) -> dict:
+    running = runtime.engine.drafters.get("head")
+    if not isinstance(running, HeadDrafter):
+        raise APIError(
+            409,
+            "this server runs no 'head' drafter (start it with one: --draft-head), so there is none to reload",
+            code="no_head_drafter",
+        )
+    folder = folder or configured_head_folder(runtime)
+    assert folder is not None
+    async with reloads.lock:
+        started = time.monotonic()
+        previous = running.identity
+        try:
+            if not folder.is_dir():
+                raise DecodingError(f"{str(folder)!r} is not a folder")
+            # loading reads the target's embeddings only: safe beside the engine thread's forwards
+            new = await asyncio.to_thread(HeadDrafter, runtime.target, folder)
+        except Exception as exc:
+            reloads.outcomes["failed"] += 1
+            reason = str(exc) if isinstance(exc, DecodingError) else f"{type(exc).__name__}: {exc}"
+            log.error("draft head reload from %s refused: %s; %s keeps serving", folder, reason, previous)
+            raise APIError(
+                400,
+                f"the draft head in {str(folder)!r} cannot be loaded ({reason}); the running head "
+                f"({previous}) keeps serving",
+                param="folder",
+                code="invalid_draft_head",
+            ) from None
+        identity = await asyncio.wrap_future(worker.between_rounds(lambda: _swap(runtime, new)))
+        reloads.outcomes["ok"] += 1
+        log.info("draft head reloaded from %s: %s -> %s", folder, previous, identity)
+        return {
+            "object": "drafter.reload",
+            "drafter": "head",
+            "folder": str(folder),
+            "previous_identity": previous,
+            "identity": identity,
+            "seconds": round(time.monotonic() - started, 3),
+        }
+
+
+class HeadCollector(Collector):
+    """The head in use (its identity: folder@weights hash) and the reloads, at scrape time."""
+
+    def __init__(self, runtime_fn, reloads: HeadReloads, model_name: str = "unknown") -> None:
+        self.runtime_fn = runtime_fn
+        self.reloads = reloads
+        self.model_name = model_name
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        runtime: Runtime | None = self.runtime_fn()
+        head = runtime.engine.drafters.get("head") if runtime is not None else None
+        if not isinstance(head, HeadDrafter):
+            return
+        info = GaugeMetricFamily(
+            "csd_draft_head_info", "The draft head in use (1)", labels=["model_name", "identity"]
+        )
+        info.add_metric([self.model_name, head.identity], 1.0)
+        yield info
+        reloads = CounterMetricFamily(
+            "csd_draft_head_reloads", "Draft head reloads, by outcome", labels=["model_name", "outcome"]
+        )
+        for outcome, count in self.reloads.outcomes.items():
+            reloads.add_metric([self.model_name, outcome], count)
+        yield reloads
