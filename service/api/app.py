@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from service import __version__
 from service.api.errors import install_error_handlers
@@ -59,6 +60,17 @@ def create_app(
     )
     paths = frozenset(route.path for router in routers for route in router.routes)  # type: ignore[attr-defined]
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics, paths=paths)
-    # Outermost: every response, whoever sends it, carries x-request-id.
+    # Every response, whoever sends it, carries x-request-id.
     app.add_middleware(RequestIdMiddleware)
+    if settings.allowed_origins:
+        # Outermost: preflights are answered before auth (a browser sends no Authorization on OPTIONS), and
+        # every other response, errors included, carries the CORS headers a page needs to read it.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=settings.allowed_methods,
+            allow_headers=settings.allowed_headers,
+            allow_credentials=settings.allow_credentials,
+            expose_headers=["x-request-id", "retry-after"],
+        )
     return app
