@@ -148,10 +148,29 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> Respo
             code="method_not_allowed",
             headers=headers,
         )
+    elif exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
+        error = _unparsable_body(exc.__cause__)
     else:
         kind = SERVER if exc.status_code >= 500 else INVALID_REQUEST
-        error = APIError(exc.status_code, str(exc.detail), type=kind, headers=headers)
+        code = "server_error" if exc.status_code >= 500 else "invalid_request"
+        error = APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=headers)
     return error_response(error)
+
+
+def _unparsable_body(cause: BaseException) -> APIError:
+    """What FastAPI's "There was an error parsing the body" was (it raises it from the parser's error)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return bad_request(
+            f"the request body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset "
+            f"{cause.start}); JSON must be sent as UTF-8",
+            code="invalid_utf8",
+        )
+    if isinstance(cause, RecursionError):
+        return bad_request(
+            "the request body's JSON is nested too deeply to parse; no request needs that depth",
+            code="json_too_deep",
+        )
+    return bad_request(f"the request body could not be parsed ({type(cause).__name__})", code="invalid_json")
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:

@@ -117,6 +117,9 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="add a last chunk with `usage` (and `speculative`)")
+    continuous_usage_stats: bool = Field(
+        False, description="with include_usage: every chunk carries the usage so far (vLLM's)"
+    )
 
 
 class SpeculativeOptions(_Request):
@@ -224,6 +227,11 @@ class _GenerationRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: continuous_usage_stats counts only together with include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def requested_max_tokens(self) -> int | None:

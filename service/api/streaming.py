@@ -150,20 +150,22 @@ async def _stream(worker: EngineWorker, job: Job, formatter: Formatter, first: E
     finished = False
     result = _new_result(job.plan)
     try:
+        usage = formatter.with_usage  # the usage so far on every chunk, when the request asked
         for chunk in formatter.opening_chunks():
-            yield sse(chunk)
+            yield sse(usage(chunk))
         event = first
         while True:
             if isinstance(event, PromptEvent):
                 for chunk in formatter.prompt_chunks(event):
-                    yield sse(chunk)
+                    yield sse(usage(chunk))
             elif isinstance(event, StepEvent):
+                formatter.count(event)
                 for chunk in formatter.step_chunks(event):
-                    yield sse(chunk)
+                    yield sse(usage(chunk))
             elif isinstance(event, DoneEvent):
                 result.choices[event.index].finish(event)
                 for chunk in formatter.finish_chunks(event.index, event.finish_reason, event.stats):
-                    yield sse(chunk)
+                    yield sse(usage(chunk))
                 if result.done:
                     if formatter.include_usage:
                         yield sse(formatter.usage_chunk(request_stats([result])))
