@@ -91,6 +91,9 @@ class Settings(BaseSettings):
         30.0, gt=0, description="a request body must arrive in full within this; else 408, connection closed"
     )
     shutdown_grace_s: float = Field(30.0, ge=0)
+    responses_store_size: int = Field(
+        512, ge=0, description="/v1/responses kept in memory for previous_response_id (0: none)"
+    )
     # CORS (vLLM's flags): off while allowed_origins is empty. CSD_ALLOWED_ORIGINS='["https://app.example"]'
     allowed_origins: list[str] = Field(
         default_factory=list, description='origins a browser page may call from (JSON list; ["*"]: any)'

@@ -16,7 +16,8 @@ from service.api.errors import install_error_handlers
 from service.api.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
 from service.api.openapi import install_openapi
 from service.api.request_id import RequestIdMiddleware
-from service.api.routers import completions, health, metrics, models, ocm, playground, tokenize
+from service.api.responses_api import ResponseStore
+from service.api.routers import completions, health, metrics, models, ocm, playground, responses, tokenize
 from service.api.state import ServiceState
 from service.config import Settings
 from service.runtime import Runtime
@@ -48,9 +49,13 @@ def create_app(
 
     app = FastAPI(title="csd-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.csd = state
+    app.state.responses = ResponseStore(settings.responses_store_size)  # for previous_response_id
     install_error_handlers(app)
     install_openapi(app)
-    routers = [module.router for module in (completions, models, tokenize, health, metrics, ocm, playground)]
+    routers = [
+        module.router
+        for module in (completions, responses, models, tokenize, health, metrics, ocm, playground)
+    ]
     for router in routers:
         app.include_router(router)
     # add_middleware wraps: the last added runs first, so the metrics middleware sees every response,

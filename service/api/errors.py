@@ -62,7 +62,10 @@ INVALID_TOKEN_ID = "invalid_token_id"  # outside this model's vocabulary (a prop
 INVALID_GRAMMAR = "invalid_grammar"  # a JSON Schema, regex or grammar that does not compile
 INCONSISTENT = "inconsistent_parameters"  # fields that contradict each other, or one that needs another
 TOO_MANY_CHOICES = "batch_size_exceeded"  # n above this server's max_batch_size (a setting)
-SCHEMA_UNSTATED = frozenset({INVALID_TOKEN_ID, INVALID_GRAMMAR, INCONSISTENT, TOO_MANY_CHOICES})
+PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"  # an id this server does not hold (its state)
+SCHEMA_UNSTATED = frozenset(
+    {INVALID_TOKEN_ID, INVALID_GRAMMAR, INCONSISTENT, TOO_MANY_CHOICES, PREVIOUS_RESPONSE_NOT_FOUND}
+)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
@@ -114,6 +117,8 @@ def _validation_message(error: dict[str, Any]) -> tuple[str, str | None]:
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+# the tags of a discriminated union (the Responses API's input items) are no field names either
+_TYPE_NAMES |= {"message", "function_call", "function_call_output"}
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> Response:

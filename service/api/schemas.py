@@ -295,10 +295,14 @@ class FunctionDefinition(_Request):
     @field_validator("parameters")
     @classmethod
     def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        # OpenAI's rule: the arguments are always a JSON object.
-        if value is not None and value.get("type", "object") != "object":
-            raise ValueError(f"must be a JSON Schema of type 'object', got type {value.get('type')!r}")
-        return value
+        return object_schema(value)
+
+
+def object_schema(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's rule for a function's parameters: the arguments are always a JSON object."""
+    if value is not None and value.get("type", "object") != "object":
+        raise ValueError(f"must be a JSON Schema of type 'object', got type {value.get('type')!r}")
+    return value
 
 
 class Tool(_Request):

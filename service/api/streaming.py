@@ -116,7 +116,7 @@ async def respond(
                 if isinstance(first, ErrorEvent):
                     raise first.error
             else:
-                results = [await _collect(worker, job) for job in jobs]
+                results = [await collect(worker, job) for job in jobs]
                 return JSONResponse(formatter.response(results))
     except BaseException:
         for job in jobs:
@@ -131,7 +131,7 @@ def _new_result(plan: GenerationPlan) -> PromptResult:
     return PromptResult(plan, [ChoiceResult(index=i) for i in range(plan.n)])
 
 
-async def _collect(worker: EngineWorker, job: Job) -> PromptResult:
+async def collect(worker: EngineWorker, job: Job) -> PromptResult:
     result = _new_result(job.plan)
     while not result.done:
         event = await next_event(worker, job)
