@@ -70,7 +70,21 @@ _SETTING_FLAGS = (
     "served_model_name", "torch_threads", "max_queue", "max_batch_size", "max_batched_tokens", "max_tokens_cap", "default_max_tokens",
     "default_temperature", "request_timeout_s", "max_body_bytes", "body_timeout_s", "shutdown_grace_s",
     "tool_call_parser", "record_traffic", "record_traffic_max_bytes",
+    "responses_store_size", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
 )  # fmt: skip
+
+
+def _json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings, as vLLM takes them: '["https://app.example"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(
+            f"not a JSON list: {text!r} (e.g. '[\"https://app.example\"]')"
+        ) from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    return value
 
 
 def settings_from_args(args: argparse.Namespace):  # -> Settings
@@ -504,6 +518,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--shutdown-grace", dest="shutdown_grace_s", type=float, metavar="SECONDS", help="to drain on SIGTERM"
     )
+    g.add_argument(
+        "--responses-store-size",
+        type=int,
+        help="responses kept for previous_response_id (default 512; 0: none)",
+    )
     g.add_argument("--torch-threads", type=int, help="torch intra-op threads")
     g.add_argument(
         "--record-traffic",
@@ -522,6 +541,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         choices=list(get_args(ToolCallParserName)),
         help="how tool_choice 'auto' reads tool calls from the model's text (default: hermes)",
+    )
+    cors = srv.add_argument_group("CORS: browser pages on other origins (off unless --allowed-origins)")
+    cors.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        metavar="JSON",
+        help='e.g. \'["https://app.example"]\'; ["*"]: any',
+    )
+    cors.add_argument("--allowed-methods", type=_json_list, metavar="JSON", help='default ["*"]')
+    cors.add_argument("--allowed-headers", type=_json_list, metavar="JSON", help='default ["*"]')
+    cors.add_argument(
+        "--allow-credentials", action="store_true", default=None, help="allow cookies and credentials"
     )
     _add_model_options(srv)
     _add_speculation_options(srv)

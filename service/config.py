@@ -93,6 +93,16 @@ class Settings(BaseSettings):
         30.0, gt=0, description="a request body must arrive in full within this; else 408, connection closed"
     )
     shutdown_grace_s: float = Field(30.0, ge=0)
+    responses_store_size: int = Field(
+        512, ge=0, description="/v1/responses kept in memory for previous_response_id (0: none)"
+    )
+    # CORS (vLLM's flags): off while allowed_origins is empty. CSD_ALLOWED_ORIGINS='["https://app.example"]'
+    allowed_origins: list[str] = Field(
+        default_factory=list, description='origins a browser page may call from (JSON list; ["*"]: any)'
+    )
+    allowed_methods: list[str] = Field(default_factory=lambda: ["*"], description="CORS: allowed methods")
+    allowed_headers: list[str] = Field(default_factory=lambda: ["*"], description="CORS: allowed headers")
+    allow_credentials: bool = Field(False, description="CORS: allow cookies and Authorization credentials")
     ready_probe_interval_s: float = Field(
         10.0, gt=0, description="/ready trusts a target forward this recent; older: it runs a 1-token probe"
     )
@@ -140,6 +150,9 @@ class Settings(BaseSettings):
             raise ValueError("drafter 'model' needs draft_model (CSD_DRAFT_MODEL or --draft-model)")
         if self.max_batched_tokens < self.max_batch_size:
             raise ValueError("max_batched_tokens must be at least max_batch_size (a token per generation)")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            # the CORS spec forbids "*" with credentials; Starlette would silently echo every origin instead
+            raise ValueError("allow_credentials needs explicit allowed_origins, not '*'")
         if self.default_max_tokens > self.max_tokens_cap:
             self.default_max_tokens = self.max_tokens_cap
         return self

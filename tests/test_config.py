@@ -17,3 +17,39 @@ def test_api_keys_from_the_environment_are_a_comma_separated_list(monkeypatch: p
 def test_no_api_keys_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CSD_API_KEYS", raising=False)
     assert Settings().api_keys == []
+
+
+def test_cors_is_off_by_default_and_takes_json_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("CSD_ALLOWED_ORIGINS", "CSD_ALLOWED_METHODS", "CSD_ALLOW_CREDENTIALS"):
+        monkeypatch.delenv(name, raising=False)
+    assert Settings().allowed_origins == []
+    monkeypatch.setenv("CSD_ALLOWED_ORIGINS", '["https://app.example", "http://localhost:3000"]')
+    monkeypatch.setenv("CSD_ALLOWED_METHODS", '["GET", "POST"]')
+    settings = Settings()
+    assert settings.allowed_origins == ["https://app.example", "http://localhost:3000"]
+    assert settings.allowed_methods == ["GET", "POST"]
+    assert settings.allowed_headers == ["*"]
+
+
+def test_cors_credentials_need_explicit_origins() -> None:
+    with pytest.raises(ValueError, match="allow_credentials"):
+        Settings(allowed_origins=["*"], allow_credentials=True)
+    assert Settings(allowed_origins=["https://app.example"], allow_credentials=True).allow_credentials
+
+
+def test_cors_flags_like_vllm() -> None:
+    from service.cli import CLIError, build_parser, settings_from_args
+
+    args = build_parser().parse_args(
+        ["serve", "--allowed-origins", '["https://app.example"]', "--allowed-headers", '["authorization"]',
+         "--allow-credentials"]
+    )  # fmt: skip
+    settings = settings_from_args(args)
+    assert settings.allowed_origins == ["https://app.example"]
+    assert settings.allowed_headers == ["authorization"]
+    assert settings.allow_credentials is True
+    with pytest.raises(SystemExit):  # argparse: not a JSON list
+        build_parser().parse_args(["serve", "--allowed-origins", "https://app.example"])
+    args = build_parser().parse_args(["serve", "--allowed-origins", '["*"]', "--allow-credentials"])
+    with pytest.raises(CLIError, match="allow_credentials"):
+        settings_from_args(args)

@@ -9,13 +9,25 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from service import __version__
 from service.api.errors import install_error_handlers
 from service.api.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
 from service.api.openapi import install_openapi
 from service.api.request_id import RequestIdMiddleware
-from service.api.routers import admin, completions, health, metrics, models, ocm, playground, tokenize
+from service.api.responses_api import ResponseStore
+from service.api.routers import (
+    admin,
+    completions,
+    health,
+    metrics,
+    models,
+    ocm,
+    playground,
+    responses,
+    tokenize,
+)
 from service.api.state import ServiceState
 from service.config import Settings
 from service.runtime import Runtime
@@ -47,10 +59,12 @@ def create_app(
 
     app = FastAPI(title="csd-serve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.csd = state
+    app.state.responses = ResponseStore(settings.responses_store_size)  # for previous_response_id
     install_error_handlers(app)
     install_openapi(app)
     routers = [
-        module.router for module in (completions, models, tokenize, health, metrics, ocm, playground, admin)
+        module.router
+        for module in (completions, responses, models, tokenize, health, metrics, ocm, playground, admin)
     ]
     for router in routers:
         app.include_router(router)
@@ -61,6 +75,17 @@ def create_app(
     )
     paths = frozenset(route.path for router in routers for route in router.routes)  # type: ignore[attr-defined]
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics, paths=paths)
-    # Outermost: every response, whoever sends it, carries x-request-id.
+    # Every response, whoever sends it, carries x-request-id.
     app.add_middleware(RequestIdMiddleware)
+    if settings.allowed_origins:
+        # Outermost: preflights are answered before auth (a browser sends no Authorization on OPTIONS), and
+        # every other response, errors included, carries the CORS headers a page needs to read it.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=settings.allowed_methods,
+            allow_headers=settings.allowed_headers,
+            allow_credentials=settings.allow_credentials,
+            expose_headers=["x-request-id", "retry-after"],
+        )
     return app

@@ -62,7 +62,10 @@ INVALID_TOKEN_ID = "invalid_token_id"  # outside this model's vocabulary (a prop
 INVALID_GRAMMAR = "invalid_grammar"  # a JSON Schema, regex or grammar that does not compile
 INCONSISTENT = "inconsistent_parameters"  # fields that contradict each other, or one that needs another
 TOO_MANY_CHOICES = "batch_size_exceeded"  # n above this server's max_batch_size (a setting)
-SCHEMA_UNSTATED = frozenset({INVALID_TOKEN_ID, INVALID_GRAMMAR, INCONSISTENT, TOO_MANY_CHOICES})
+PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"  # an id this server does not hold (its state)
+SCHEMA_UNSTATED = frozenset(
+    {INVALID_TOKEN_ID, INVALID_GRAMMAR, INCONSISTENT, TOO_MANY_CHOICES, PREVIOUS_RESPONSE_NOT_FOUND}
+)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
@@ -114,6 +117,8 @@ def _validation_message(error: dict[str, Any]) -> tuple[str, str | None]:
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+# the tags of a discriminated union (the Responses API's input items) are no field names either
+_TYPE_NAMES |= {"message", "function_call", "function_call_output"}
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -148,10 +153,29 @@ async def _on_http_error(request: Request, exc: StarletteHTTPException) -> Respo
             code="method_not_allowed",
             headers=headers,
         )
+    elif exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not parse the body
+        error = _unparsable_body(exc.__cause__)
     else:
         kind = SERVER if exc.status_code >= 500 else INVALID_REQUEST
-        error = APIError(exc.status_code, str(exc.detail), type=kind, headers=headers)
+        code = "server_error" if exc.status_code >= 500 else "invalid_request"
+        error = APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=headers)
     return error_response(error)
+
+
+def _unparsable_body(cause: BaseException) -> APIError:
+    """What FastAPI's "There was an error parsing the body" was (it raises it from the parser's error)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return bad_request(
+            f"the request body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset "
+            f"{cause.start}); JSON must be sent as UTF-8",
+            code="invalid_utf8",
+        )
+    if isinstance(cause, RecursionError):
+        return bad_request(
+            "the request body's JSON is nested too deeply to parse; no request needs that depth",
+            code="json_too_deep",
+        )
+    return bad_request(f"the request body could not be parsed ({type(cause).__name__})", code="invalid_json")
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:

@@ -174,6 +174,11 @@ class ServiceMetrics:
             "Generated tokens per finished request.",
             build_1_2_5_buckets(max(max_tokens, 1)),
         )
+        self.request_max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Generated tokens of a finished request's longest choice (its largest of n sequences).",
+            build_1_2_5_buckets(max(max_tokens, 1)),
+        )
         self.requests_running = Gauge(
             "vllm:num_requests_running", "Generations in the batch (running).", list(BASE_LABELS), registry=r
         ).labels(*base)
@@ -246,7 +251,8 @@ class ServiceMetrics:
             self.num_recovered_tokens, self.num_bonus_tokens, self.target_forwards, self.prompt_tokens,
             self.generation_tokens, self.ocm_seconds, self.ttft, self.itl, self.tpot, self.e2e,
             self.queue_time, self.inference_time, self.prefill_time, self.decode_time,
-            self.request_prompt_tokens, self.request_generation_tokens, self.tokens_per_forward,
+            self.request_prompt_tokens, self.request_generation_tokens, self.request_max_generation_tokens,
+            self.tokens_per_forward,
         ):  # fmt: skip
             metric.labels(*labels)
         for reason in FINISHED_REASONS:
@@ -307,6 +313,11 @@ class ServiceMetrics:
         self.request_generation_tokens.labels(*labels).observe(generation_tokens)
         if generation_tokens > 1:
             self.tpot.labels(*labels).observe((now - first_token) / (generation_tokens - 1))
+
+    def record_request_finish(self, method: str, drafter: str, max_generation_tokens: int) -> None:
+        """Every choice of a request finished: vLLM's per-request (not per-sequence) histogram."""
+        labels = (*self.base_labels, method, drafter)
+        self.request_max_generation_tokens.labels(*labels).observe(max_generation_tokens)
 
     def record_round(self, method: str, drafter: str, r: RoundStats) -> None:
         """One target forward's worth of speculation statistics."""

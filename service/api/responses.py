@@ -179,12 +179,29 @@ class Formatter:
 
     id_prefix = "cmpl"
 
-    def __init__(self, model: str, plan: GenerationPlan, include_usage: bool = False) -> None:
+    def __init__(
+        self, model: str, plan: GenerationPlan, include_usage: bool = False, continuous_usage: bool = False
+    ) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.plan = plan
         self.include_usage = include_usage
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far (`counted` tokens streamed)
+        self.continuous_usage = include_usage and continuous_usage
+        self.counted = 0
+
+    def count(self, event: StepEvent) -> None:
+        self.counted += event.num_tokens
+
+    def with_usage(self, chunk: dict) -> dict:
+        """A chunk with the usage so far, when the request asked for it on every chunk."""
+        if self.continuous_usage and chunk.get("usage") is None:
+            prompt = len(self.plan.prompt_ids)
+            chunk["usage"] = Usage(
+                prompt_tokens=prompt, completion_tokens=self.counted, total_tokens=prompt + self.counted
+            ).model_dump(mode="json")
+        return chunk
 
     @property
     def wants_logprobs(self) -> bool:
@@ -252,8 +269,10 @@ class Formatter:
 class CompletionFormatter(Formatter):
     id_prefix = "cmpl"
 
-    def __init__(self, model: str, plan: GenerationPlan, include_usage: bool = False) -> None:
-        super().__init__(model, plan, include_usage)
+    def __init__(
+        self, model: str, plan: GenerationPlan, include_usage: bool = False, continuous_usage: bool = False
+    ) -> None:
+        super().__init__(model, plan, include_usage, continuous_usage)
         self.echo = plan.echo_text  # the prompt's text, when the request asked for it back (a stream's one)
         # per choice: the length of the text streamed so far, where the next token's text_offset starts
         self._offsets = [len(self.echo or "")] * plan.n
@@ -352,9 +371,14 @@ class ChatFormatter(Formatter):
     id_prefix = "chatcmpl"
 
     def __init__(
-        self, model: str, plan: GenerationPlan, include_usage: bool = False, tools: ToolPlan | None = None
+        self,
+        model: str,
+        plan: GenerationPlan,
+        include_usage: bool = False,
+        tools: ToolPlan | None = None,
+        continuous_usage: bool = False,
     ) -> None:
-        super().__init__(model, plan, include_usage)
+        super().__init__(model, plan, include_usage, continuous_usage)
         self.tools = tools
         self._streams = {i: tools.stream() for i in range(plan.n)} if tools is not None else None
 

@@ -117,6 +117,9 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="add a last chunk with `usage` (and `speculative`)")
+    continuous_usage_stats: bool = Field(
+        False, description="with include_usage: every chunk carries the usage so far (vLLM's)"
+    )
 
 
 class SpeculativeOptions(_Request):
@@ -226,6 +229,11 @@ class _GenerationRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: continuous_usage_stats counts only together with include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
     def requested_max_tokens(self) -> int | None:
         """The token budget the request asks for (chat requests may name it max_completion_tokens)."""
         return self.max_tokens
@@ -287,10 +295,14 @@ class FunctionDefinition(_Request):
     @field_validator("parameters")
     @classmethod
     def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        # OpenAI's rule: the arguments are always a JSON object.
-        if value is not None and value.get("type", "object") != "object":
-            raise ValueError(f"must be a JSON Schema of type 'object', got type {value.get('type')!r}")
-        return value
+        return object_schema(value)
+
+
+def object_schema(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's rule for a function's parameters: the arguments are always a JSON object."""
+    if value is not None and value.get("type", "object") != "object":
+        raise ValueError(f"must be a JSON Schema of type 'object', got type {value.get('type')!r}")
+    return value
 
 
 class Tool(_Request):

@@ -116,7 +116,7 @@ async def respond(
                 if isinstance(first, ErrorEvent):
                     raise first.error
             else:
-                results = [await _collect(worker, job) for job in jobs]
+                results = [await collect(worker, job) for job in jobs]
                 return JSONResponse(formatter.response(results))
     except BaseException:
         for job in jobs:
@@ -131,7 +131,7 @@ def _new_result(plan: GenerationPlan) -> PromptResult:
     return PromptResult(plan, [ChoiceResult(index=i) for i in range(plan.n)])
 
 
-async def _collect(worker: EngineWorker, job: Job) -> PromptResult:
+async def collect(worker: EngineWorker, job: Job) -> PromptResult:
     result = _new_result(job.plan)
     while not result.done:
         event = await next_event(worker, job)
@@ -150,20 +150,22 @@ async def _stream(worker: EngineWorker, job: Job, formatter: Formatter, first: E
     finished = False
     result = _new_result(job.plan)
     try:
+        usage = formatter.with_usage  # the usage so far on every chunk, when the request asked
         for chunk in formatter.opening_chunks():
-            yield sse(chunk)
+            yield sse(usage(chunk))
         event = first
         while True:
             if isinstance(event, PromptEvent):
                 for chunk in formatter.prompt_chunks(event):
-                    yield sse(chunk)
+                    yield sse(usage(chunk))
             elif isinstance(event, StepEvent):
+                formatter.count(event)
                 for chunk in formatter.step_chunks(event):
-                    yield sse(chunk)
+                    yield sse(usage(chunk))
             elif isinstance(event, DoneEvent):
                 result.choices[event.index].finish(event)
                 for chunk in formatter.finish_chunks(event.index, event.finish_reason, event.stats):
-                    yield sse(chunk)
+                    yield sse(usage(chunk))
                 if result.done:
                     if formatter.include_usage:
                         yield sse(formatter.usage_chunk(request_stats([result])))

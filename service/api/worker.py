@@ -137,6 +137,8 @@ class Job:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancelled = threading.Event()
         self.cancel_reason = ""
+        self.finished_choices = 0  # choices that finished (stop, length), and the longest one's tokens
+        self.max_generation_tokens = 0
 
     @property
     def cancelled(self) -> bool:
@@ -529,6 +531,10 @@ class EngineWorker:
                 prompt_tokens=len(plan.prompt_ids),
                 generation_tokens=generation.stats.completion_tokens,
             )
+            job.finished_choices += 1
+            job.max_generation_tokens = max(job.max_generation_tokens, generation.stats.completion_tokens)
+            if job.finished_choices == plan.n:
+                self.metrics.record_request_finish(plan.method, plan.drafter_label, job.max_generation_tokens)
         job._deliver(
             DoneEvent(
                 generation.finish_reason or "stop", generation.text, generation.stats, index=active.index

@@ -76,6 +76,23 @@ def test_malformed_json(api_server: Server) -> None:
     assert "not valid JSON" in error["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_invalid_utf8_and_too_deep_json_get_a_code(api_server: Server, path: str) -> None:
+    """Bodies no JSON parser takes: bytes that are not UTF-8 (a Latin-1 "é"), and JSON nested 10,000 deep
+    (Python's parser gives up on recursion). Both are the client's fault: 400, with a code to branch on."""
+    latin1 = '{"model": "x", "messages": [{"role": "user", "content": "caf\xe9"}]}'.encode("latin-1")
+    deep = b"[" * 10_000 + b"]" * 10_000
+    with api_server.client() as http:
+        for body, code in ((latin1, "invalid_utf8"), (deep, "json_too_deep")):
+            response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+            error = assert_openai_error(response, 400, param=None, code=code)
+            assert "parsing the body" not in error["message"]  # FastAPI's words: say what was wrong
+        error = assert_openai_error(
+            http.post(path, content=latin1, headers={"Content-Type": "application/json"}), 400
+        )
+        assert "UTF-8" in error["message"] and "0xe9" in error["message"]
+
+
 def test_body_must_be_a_json_object(api_server: Server) -> None:
     with api_server.client() as http:
         for kwargs in (

@@ -359,3 +359,53 @@ def test_the_log_says_ready_with_the_address_and_every_line_has_a_timestamp(api_
     stamped = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING|ERROR|DEBUG|CRITICAL)")
     lines = [line for line in log.splitlines() if line.strip() and not line.startswith("csd: ")]
     assert lines and all(stamped.match(line) for line in lines), [x for x in lines if not stamped.match(x)]
+
+
+def test_max_generation_tokens_is_a_request_s_longest_choice(api_server: Server) -> None:
+    """vLLM's `request_max_num_generation_tokens`: one observation per request, its longest of n choices
+    (`request_generation_tokens` observes each choice)."""
+    labels = {"method": "csd", "drafter": "combined"}
+    before = api_server.metrics()
+    with api_server.client() as http:
+        body = {"model": MODEL, "prompt": "Name a colour:", "max_tokens": 10, "n": 3, "temperature": 1.0}
+        data = http.post("/v1/completions", json={**body, "seed": 7, "logprobs": 0}).json()
+    after = api_server.metrics()
+    lengths = [len(choice["logprobs"]["tokens"]) for choice in data["choices"]]
+    assert len(lengths) == 3 and sum(lengths) == data["usage"]["completion_tokens"]
+
+    def delta(name: str) -> float:
+        return after.value(name, **labels) - before.value(name, **labels)
+
+    assert delta("vllm:request_max_num_generation_tokens_count") == 1
+    assert delta("vllm:request_max_num_generation_tokens_sum") == max(lengths)
+    assert delta("vllm:request_generation_tokens_count") == 3
+    assert delta("vllm:request_generation_tokens_sum") == sum(lengths)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(api_server: Server, path: str) -> None:
+    """vLLM's `stream_options.continuous_usage_stats`: with include_usage, every chunk carries the usage so
+    far; the last chunk's usage is the request's. Without include_usage it asks for nothing (vLLM's rule)."""
+    prompt = (
+        {"messages": [{"role": "user", "content": "Count from 1 to 20."}]}
+        if "chat" in path
+        else {"prompt": COUNTING}
+    )
+    body = {"model": MODEL, **prompt, "max_tokens": 10, "stream": True, "ignore_eos": True}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with api_server.client() as http:
+        raw = http.post(path, json={**body, "stream_options": options}).content
+        alone = http.post(path, json={**body, "stream_options": {"continuous_usage_stats": True}}).content
+    chunks = [json.loads(p) for p in sse_events(raw)[:-1]]
+    *streamed, usage_chunk = chunks
+    final = usage_chunk["usage"]
+    assert usage_chunk["choices"] == [] and final["completion_tokens"] == 10
+    counts = [c["usage"]["completion_tokens"] for c in streamed]
+    assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] for c in streamed)
+    assert all(
+        c["usage"]["total_tokens"] == final["prompt_tokens"] + c["usage"]["completion_tokens"]
+        for c in streamed
+    )
+    assert counts == sorted(counts) and counts[-1] == 10  # it grows with the text, to the whole count
+    assert len(set(counts)) > 2  # really updated along the way, not only at the end
+    assert all("usage" not in json.loads(p) for p in sse_events(alone)[:-1])

@@ -64,6 +64,7 @@ MAX_EXAMPLES = int(os.environ.get("SCHEMATHESIS_MAX_EXAMPLES", "25"))
 OPERATIONS = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/responses"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model}"),
     ("GET", "/v1/ocm/top"),
@@ -112,7 +113,7 @@ def test_the_schema_declares_the_statuses_the_server_sends(api_schema, tiny_serv
     refused = httpx.get(f"{tiny_server.url}/v1/ocm/top", params={"n": 0}, headers=tiny_server.headers)
     assert refused.status_code == 400
     assert "400" in paths["/v1/ocm/top"]["get"]["responses"]
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         assert {"400", "404", "429", "503", "504"} <= set(paths[path]["post"]["responses"])
 
 

@@ -41,6 +41,7 @@ def test_the_names_vllm_tools_read_are_served_with_vllm_labels():
         "vllm:request_queue_time_seconds_bucket", "vllm:request_prefill_time_seconds_bucket",
         "vllm:request_decode_time_seconds_bucket", "vllm:request_inference_time_seconds_bucket",
         "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+        "vllm:request_max_num_generation_tokens_bucket",
         "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
         "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
         "csd_spec_decode_num_rescued_tokens_total", "csd_spec_decode_num_recovered_tokens_total",
@@ -134,3 +135,7 @@ def test_a_finished_request_observes_its_phases_an_aborted_one_only_its_reason()
     assert value(s, "vllm:request_time_per_output_token_seconds_sum", **LABELS) == 0.5  # 2 s / 4 gaps
     assert value(s, "vllm:request_prompt_tokens_sum", **LABELS) == 7
     assert value(s, "vllm:request_generation_tokens_sum", **LABELS) == 5
+    m.record_request_finish("csd", "ngram", 9)
+    s = scrape(m)
+    assert value(s, "vllm:request_max_num_generation_tokens_count", **LABELS) == 1
+    assert value(s, "vllm:request_max_num_generation_tokens_sum", **LABELS) == 9

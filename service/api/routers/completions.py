@@ -54,7 +54,9 @@ async def create_completion(
 ) -> Response:
     arrived = time.monotonic()
     plans = await plan_completion(body, state.settings, runtime)
-    formatter = CompletionFormatter(runtime.model_id, plans[0], include_usage=body.include_usage)
+    formatter = CompletionFormatter(
+        runtime.model_id, plans[0], include_usage=body.include_usage, continuous_usage=body.continuous_usage
+    )
     return await respond(request, state, worker, plans, formatter, stream=body.stream, arrived=arrived)
 
 
@@ -73,5 +75,11 @@ async def create_chat_completion(
     arrived = time.monotonic()
     tools = tool_plan(body, state.settings.tool_call_parser)
     plan = await plan_chat(body, state.settings, runtime, tools)
-    formatter = ChatFormatter(runtime.model_id, plan, include_usage=body.include_usage, tools=tools)
+    formatter = ChatFormatter(
+        runtime.model_id,
+        plan,
+        include_usage=body.include_usage,
+        tools=tools,
+        continuous_usage=body.continuous_usage,
+    )
     return await respond(request, state, worker, [plan], formatter, stream=body.stream, arrived=arrived)
