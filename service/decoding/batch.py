@@ -148,6 +148,8 @@ class Batch:
             return
         group, own = self.joining[0]
         first = group[0]
+        if first.prefilled == 0 and first.prefix_cache is not None:
+            own = self._join_from_cache(group)
         size = self.max_batched_tokens
         if self.running:  # share the step's token budget with the running rows' round
             size = max(min(MIN_PREFILL_CHUNK, size), size - max(self._round_width, len(self.running)))
@@ -168,11 +170,56 @@ class Batch:
                 generation.stats.prefill_seconds += seconds
         if first.prefilled >= len(first.prefill_ids):
             self.joining.popleft()
+            if first.prefix_cache is not None:
+                self._store_prefill(first, own)
             for _ in group[1:]:  # the other choices get copies of the one prefilled cache
                 self.kv.add(own.copy())
             self.kv.add(own)
             # rows were added copies first: row order is the group's order either way (all copies are equal)
             self.running.extend(group)
+
+    # ------------------------------------------------------------------ prefix caching (prefix_cache.py)
+
+    def _join_from_cache(self, group: list[Generation]) -> BatchKV:
+        """A joining group's cached prompt prefix: its keys and values become the group's own cache at the
+        same positions, so prefill feeds only the rest. At least one prompt token is still prefilled: its
+        forward gives the hidden state the first draft starts from. The drafters see the cached tokens as
+        prefill chunks (a draft model fills its own cache; the others keep nothing)."""
+        first = group[0]
+        cache = first.prefix_cache
+        hit = cache.lookup(first.prefill_ids, max_tokens=len(first.prefill_ids) - 1)
+        own = BatchKV(self.target.model, self.target.device, rows=1)
+        if hit.tokens:
+            own.load_prefix(hit.keys, hit.values)
+            cached = first.prefill_ids[: hit.tokens]
+            for generation in group:
+                drafter = self._drafter_of(generation)
+                if drafter is not None:
+                    for start in range(0, len(cached), self.max_batched_tokens):
+                        drafter.prefill(generation, cached[start : start + self.max_batched_tokens])
+                generation.prefilled = hit.tokens
+        for generation in group:
+            generation.stats.cached_tokens = hit.tokens
+        self.joining[0] = (group, own)
+        return own
+
+    def _store_prefill(self, generation: Generation, own: BatchKV) -> None:
+        """A finished prefill's full blocks into the prefix cache (`own` is one dense row: slot i holds
+        prompt position i)."""
+        tokens = generation.prefill_ids
+        if tokens and own.width >= len(tokens):
+            generation.prefix_cache.store(tokens, own.row_kv(0, len(tokens)))
+
+    def _store_committed(self, generations: list[Generation]) -> None:
+        """Finished sequences' committed tokens (prompt + output; the cache holds all but the last) into the
+        prefix cache, so a conversation's next turn, which resends this answer, starts from it. Only live
+        slots are read: rejected draft tokens are dead slots and never enter the cache."""
+        for row, generation in enumerate(self.running):
+            if generation.prefix_cache is None or not any(generation is g for g in generations):
+                continue
+            length = min(self.kv.length(row), len(generation.committed) - 1)
+            if length >= generation.prefix_cache.block_size:
+                generation.prefix_cache.store(generation.committed[:length], self.kv.row_kv(row, length))
 
     def _final_hidden(self) -> torch.Tensor:
         """The target's final hidden states of the forward that just ran, [B, T, d]."""
@@ -215,8 +262,9 @@ class Batch:
             generation.target_hidden = hidden[row, kept - 1].clone()
             results.append((generation, step))
         self.kv.settle()
-        done = [g for g, _ in self.failed] + [g for g in self.running if g.finish_reason is not None]
-        self._drop_running(done)
+        finished = [g for g in self.running if g.finish_reason is not None]
+        self._store_committed(finished)
+        self._drop_running([g for g, _ in self.failed] + finished)
         return results
 
     def _propose(self) -> list[Draft]:

@@ -28,6 +28,7 @@ import torch
 from service.decoding.draft_policy import DraftPolicy
 from service.decoding.drafters.base import Draft, Drafter, DraftRow
 from service.decoding.models import LoadedModel
+from service.decoding.prefix_cache import PrefixCache
 from service.decoding.processing import LogitsProcessing
 from service.decoding.text import IncrementalDetokenizer, StopMatcher
 from service.decoding.types import (
@@ -94,6 +95,7 @@ class Generation:
         memory: DivergenceMemory | None = None,
         record_strict: bool = False,
         policy: DraftPolicy | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if not prompt_ids:
             raise DecodingError("prompt must not be empty")
@@ -118,6 +120,8 @@ class Generation:
                 self.generator.seed()
         self.drafter = drafter if spec.speculates else None
         self.policy = policy or DraftPolicy()
+        # the engine's cache of earlier prompts' KV blocks (None: prefill every prompt in full)
+        self.prefix_cache = prefix_cache
         # tokens that end the generation without being part of it: EOS (unless ignored) and stop_token_ids
         self.eos_ids = (set() if sampling.ignore_eos else target.eos_token_ids()) | set(
             sampling.stop_token_ids
