@@ -194,7 +194,12 @@ class BatchKV:
         out = []
         for layer in self._layers():
             if index is None:
-                out.append((layer.keys[row, :, slots[0] : slots[-1] + 1], layer.values[row, :, slots[0] : slots[-1] + 1]))
+                out.append(
+                    (
+                        layer.keys[row, :, slots[0] : slots[-1] + 1],
+                        layer.values[row, :, slots[0] : slots[-1] + 1],
+                    )
+                )
             else:
                 out.append((layer.keys[row].index_select(1, index), layer.values[row].index_select(1, index)))
         return out

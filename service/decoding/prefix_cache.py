@@ -209,4 +209,6 @@ class PrefixCache:
 
 
 def _chain(parent: bytes, tokens: Sequence[int]) -> bytes:
-    return hashlib.sha256(parent + b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens)).digest()
+    return hashlib.sha256(
+        parent + b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens)
+    ).digest()
