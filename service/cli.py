@@ -69,7 +69,7 @@ _SETTING_FLAGS = (
     "num_speculative_tokens", "tau", "lambda_", "ngram_min", "ngram_max", "host", "port", "api_keys",
     "served_model_name", "torch_threads", "max_queue", "max_batch_size", "max_batched_tokens", "max_tokens_cap", "default_max_tokens",
     "default_temperature", "request_timeout_s", "max_body_bytes", "body_timeout_s", "shutdown_grace_s",
-    "tool_call_parser",
+    "tool_call_parser", "enable_prefix_caching", "prefix_cache_gib",
 )  # fmt: skip
 
 
@@ -503,6 +503,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--shutdown-grace", dest="shutdown_grace_s", type=float, metavar="SECONDS", help="to drain on SIGTERM"
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="reuse the KV cache of prompts' shared beginnings (default: on where the model allows it)",
+    )
+    g.add_argument(
+        "--prefix-cache-gib", type=float, metavar="GIB", help="prefix cache bound (default: 10%% of memory)"
     )
     g.add_argument("--torch-threads", type=int, help="torch intra-op threads")
     g.add_argument("--log-level", choices=LOG_LEVELS, help="default: CSD_LOG_LEVEL, or info")

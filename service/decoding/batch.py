@@ -187,7 +187,8 @@ class Batch:
         prefill chunks (a draft model fills its own cache; the others keep nothing)."""
         first = group[0]
         cache = first.prefix_cache
-        hit = cache.lookup(first.prefill_ids, max_tokens=len(first.prefill_ids) - 1)
+        # the whole prompt is the query (vLLM's count); the hit stops short of the last prefill token
+        hit = cache.lookup(first.prompt_ids, max_tokens=len(first.prefill_ids) - 1)
         own = BatchKV(self.target.model, self.target.device, rows=1)
         if hit.tokens:
             own.load_prefix(hit.keys, hit.values)

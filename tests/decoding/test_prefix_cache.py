@@ -109,7 +109,7 @@ def test_embedded_same_tokens_with_and_without_cache(embedded, prompts, plain, m
     assert [g.stats.cached_tokens for g in cached][0] == 0
     assert all(g.stats.cached_tokens >= 48 for g in cached[1:])
     assert cache.stats.hits == sum(g.stats.cached_tokens for g in cached)
-    assert cache.stats.queries == sum(len(p) - 1 for p in prompts)
+    assert cache.stats.queries == sum(len(p) for p in prompts)
     for p, a, b in zip(prompts, cached, expected, strict=False):
         assert_same_tokens(embedded, p, ids_of(a), b)
     # a resend of the first prompt now hits all but its last block's remainder, and still matches
@@ -162,7 +162,7 @@ def test_mixed_hits_and_misses_in_one_batch_and_n_choices(embedded, prompts, pla
         assert_same_tokens(embedded, p, ids_of(a), b)
     queries = cache.stats.queries
     choices = decode(make_engine(embedded, cache), prompts[1:2], "sd", n=2)
-    assert cache.stats.queries - queries == len(prompts[1]) - 1  # one lookup for the group
+    assert cache.stats.queries - queries == len(prompts[1])  # one lookup for the group
     assert [g.stats.cached_tokens for g in choices] == [choices[0].stats.cached_tokens] * 2 > [0]
     for g in choices:
         assert_same_tokens(embedded, prompts[1], ids_of(g), expected[1])
@@ -186,9 +186,7 @@ def test_committed_tokens_enter_the_cache_and_rejected_drafts_do_not(embedded):
 
 
 def test_eviction_keeps_the_bound(embedded):
-    prompts = [
-        chat(embedded.tokenizer, q, system=f"Rule {i}. " * 8) for i, q in enumerate(QUESTIONS)
-    ]
+    prompts = [chat(embedded.tokenizer, q, system=f"Rule {i}. " * 8) for i, q in enumerate(QUESTIONS)]
     probe = PrefixCache(BIG)
     decode(make_engine(embedded, probe), prompts[:1], "vanilla", max_tokens=1)
     block_bytes = probe.bytes_used // len(probe)
