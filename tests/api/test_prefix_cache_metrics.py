@@ -31,8 +31,9 @@ def test_shared_system_prompt_hits_and_output_is_unchanged(api_server: Server) -
         ask(http, "How long does a repair take?")
         again = ask(http, "When are you open on Saturday?")
     after = api_server.metrics()
-    assert mid.value("vllm:prefix_cache_queries_total") - before.value("vllm:prefix_cache_queries_total") == (
-        first["usage"]["prompt_tokens"]
+    assert (
+        mid.value("vllm:prefix_cache_queries_total") - before.value("vllm:prefix_cache_queries_total")
+        == (first["usage"]["prompt_tokens"])
     )
     # the second and third requests share the system prompt's blocks (the third its whole prompt but the end)
     hits = after.value("vllm:prefix_cache_hits_total") - mid.value("vllm:prefix_cache_hits_total")
