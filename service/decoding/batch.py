@@ -7,8 +7,9 @@ explained there). Each `step()`:
    the chunk) stay within `max_batched_tokens`, and one chunk per step, so a long prompt delays the
    others' next round by one bounded chunk forward, never by its whole prefill;
 2. runs one decoding round for every running row (`_round`, read top to bottom): every drafter proposes
-   for its rows, the draft policy picks one draft cap K for the batch (0 when speculation does not pay at
-   this batch size and acceptance), one target forward verifies [last token, draft] of every row, and each
+   for its rows, the draft policy picks each row's draft cap from that row's own acceptance and the
+   batch's forward cost (all 0 when speculation does not pay at this batch size), one target forward
+   verifies [last token, draft] of every row, and each
    row verifies, rescues (CSD) and emits on its own logits as if it ran alone;
 3. drops the rows that finished.
 
@@ -25,7 +26,7 @@ import time
 import torch
 
 from service.decoding.batch_kv import BatchKV
-from service.decoding.draft_policy import DraftPolicy
+from service.decoding.draft_policy import DraftPolicy, RowOffer
 from service.decoding.drafters.base import BatchDrafter, Draft
 from service.decoding.generation import Generation
 from service.decoding.models import LoadedModel
@@ -234,14 +235,8 @@ class Batch:
         # 1. draft: every drafter proposes for its rows, up to each row's budget; a constrained row checks its
         # draft against its grammar (cut at a forbidden token, forced tokens drafted for free)
         drafts = [g.constrain(d) for g, d in zip(rows, self._propose(), strict=True)]
-        # 2. cap: one draft length K for the whole batch, from the draft policy (0: a plain step)
-        offers = [
-            (g.drafter.name, d.key, len(d.tokens)) for g, d in zip(rows, drafts, strict=True) if d.tokens
-        ]
-        cap = self.policy.choose_batch(
-            offers, rows=len(rows), max_len=self.max_batched_tokens // len(rows) - 1
-        )
-        drafts = [d.cut(cap) for d in drafts]
+        # 2. cap: each row's draft cap, from its own acceptance and the batch's forward cost (0: a plain step)
+        drafts = self._cap(rows, drafts)
         # 3. verify: one target forward over [last committed token, draft] of every row
         feeds = [g.round_tokens(d) for g, d in zip(rows, drafts, strict=True)]
         logits = self.kv.forward(feeds)
@@ -267,6 +262,21 @@ class Batch:
         self._store_committed(finished)
         self._drop_running([g for g, _ in self.failed] + finished)
         return results
+
+    def _cap(self, rows: list[Generation], drafts: list[Draft]) -> list[Draft]:
+        """Cut every row's draft to its cap from the draft policy (`DraftPolicy.choose_rows`)."""
+        speculating = [i for i, d in enumerate(drafts) if d.tokens]
+        offers = [
+            RowOffer(rows[i].drafter.name, drafts[i].key, len(drafts[i].tokens), rows[i].acceptance)
+            for i in speculating
+        ]
+        caps = self.policy.choose_rows(
+            offers, rows=len(rows), max_len=self.max_batched_tokens // len(rows) - 1
+        )
+        drafts = list(drafts)
+        for i, cap in zip(speculating, caps, strict=True):
+            drafts[i] = drafts[i].cut(cap)
+        return drafts
 
     def _propose(self) -> list[Draft]:
         """Each running row's draft (empty when it does not speculate): one `propose` per drafter for all

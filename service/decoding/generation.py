@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from service.decoding.draft_policy import DraftPolicy
+from service.decoding.draft_policy import DraftPolicy, RowAcceptance
 from service.decoding.drafters.base import Draft, Drafter, DraftRow
 from service.decoding.models import LoadedModel
 from service.decoding.prefix_cache import PrefixCache
@@ -120,6 +120,7 @@ class Generation:
                 self.generator.seed()
         self.drafter = drafter if spec.speculates else None
         self.policy = policy or DraftPolicy()
+        self.acceptance = RowAcceptance()  # this sequence's own draft survival: its per-row draft cap
         # the engine's cache of earlier prompts' KV blocks (None: prefill every prompt in full)
         self.prefix_cache = prefix_cache
         # tokens that end the generation without being part of it: EOS (unless ignored) and stop_token_ids
@@ -196,6 +197,7 @@ class Generation:
         verdict = self._verify(draft.tokens, draft.probs, logits)
         if draft.tokens:
             self.policy.observe(self.drafter.name, draft.key, len(draft.tokens), verdict.round.num_kept)
+            self.acceptance.observe(len(draft.tokens), verdict.round.num_kept)
             if draft.key == FORCED_KEY:
                 self.stats.forced_tokens += len(draft.tokens)
         if self.sampling.logprobs is not None:
