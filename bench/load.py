@@ -257,8 +257,8 @@ def measure(server: ServerProcess, model: str, prompts: list[str], clients: int,
 GOALS = (
     ("8 clients: batched aggregate tokens/s >= 2.5x one-at-a-time", ("batched", 8), ("one-at-a-time", 8),
      "tokens_per_s", lambda r: r >= 2.5, "tok/s"),
-    ("8 clients: batched p99 ITL <= 2x its single-client p99 ITL", ("batched", 8), ("batched", 1),
-     "itl_p99_s", lambda r: r <= 2.0, "ms"),
+    ("8 clients: batched p99 ITL <= 2.5x its single-client p99 ITL (issue 22)", ("batched", 8), ("batched", 1),
+     "itl_p99_s", lambda r: r <= 2.5, "ms"),
     # within measurement noise of 5 %: the policy's promise is 'never slower', not 'faster'
     ("16 clients: speculation on is not slower than off (batched)", ("batched", 16), ("batched-nospec", 16),
      "tokens_per_s", lambda r: r >= 0.95, "tok/s"),
@@ -349,6 +349,36 @@ def plot(points: list[Point], path: Path) -> None:
     plt.close(fig)
 
 
+def _interleaved(args, prompts: list[str], tmp: Path) -> list[Point]:
+    """Every config's server up at once (idle ones wait on their sockets); per client count, each config
+    in turn, the order rotated, so slow spells of a shared machine fall on every arm alike."""
+    servers: dict[str, ServerProcess] = {}
+    points: list[Point] = []
+    try:
+        models = {}
+        for name in args.configs:
+            servers[name] = ServerProcess(name, CONFIGS[name], args, tmp)
+            print(f"[{name}] starting the server ...", file=sys.stderr, flush=True)
+            models[name] = servers[name].wait_ready()
+            asyncio.run(run_clients(servers[name].url, models[name], prompts, 1, 1, 4))  # warm-up
+        for i, n in enumerate(args.clients):
+            order = args.configs[i % len(args.configs) :] + args.configs[: i % len(args.configs)]
+            for name in order:
+                point = measure(servers[name], models[name], prompts, n, args)
+                points.append(point)
+                print(
+                    f"[{name}] {n:>2} clients: {point.tokens_per_s:6.1f} tok/s, ITL p99 "
+                    f"{_ms(point.itl_p99_s)} ms, TTFT p99 {_ms(point.ttft_p99_s)} ms, errors {point.errors}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    finally:
+        for server in servers.values():
+            server.stop()
+    order = {name: i for i, name in enumerate(args.configs)}
+    return sorted(points, key=lambda p: (order[p.config], p.clients))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="N = 1, 4, 8; 32 tokens; one request per client")
@@ -362,6 +392,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-batched-tokens",
         type=int,
         help="the servers' CSD_MAX_BATCHED_TOKENS (default: the server's): lower trades TTFT for p99 ITL",
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every config's server first, then measure client count by client count, the configs in "
+        "turn (rotating who goes first): on a shared machine both arms of a comparison see the same load",
     )
     p.add_argument("--out", type=Path, help="output folder (default bench/results/load-<timestamp>)")
     args = p.parse_args(argv)
@@ -407,10 +443,13 @@ def main(argv: list[str] | None = None) -> int:
         "clients": args.clients,
         "configs": args.configs,
         "max_batched_tokens": args.max_batched_tokens,
+        "interleaved": args.interleave,
     }
     points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="csd-load-") as tmp:
-        for name in args.configs:
+        if args.interleave:
+            points = _interleaved(args, prompts, Path(tmp))
+        for name in [] if args.interleave else args.configs:
             server = ServerProcess(name, CONFIGS[name], args, Path(tmp))
             try:
                 print(f"[{name}] starting the server ...", file=sys.stderr, flush=True)

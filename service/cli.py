@@ -71,6 +71,7 @@ _SETTING_FLAGS = (
     "default_temperature", "request_timeout_s", "max_body_bytes", "body_timeout_s", "shutdown_grace_s",
     "tool_call_parser", "record_traffic", "record_traffic_max_bytes",
     "responses_store_size", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
+    "enable_prefix_caching", "prefix_cache_gib",
 )  # fmt: skip
 
 
@@ -522,6 +523,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--responses-store-size",
         type=int,
         help="responses kept for previous_response_id (default 512; 0: none)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="reuse the KV cache of prompts' shared beginnings (default: on where the model allows it)",
+    )
+    g.add_argument(
+        "--prefix-cache-gib", type=float, metavar="GIB", help="prefix cache bound (default: 10%% of memory)"
     )
     g.add_argument("--torch-threads", type=int, help="torch intra-op threads")
     g.add_argument(

@@ -87,6 +87,16 @@ class Settings(BaseSettings):
     max_batched_tokens: int = Field(
         128, ge=1, description="tokens per engine step: a round's drafts plus a prompt chunk stay within it"
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="reuse the KV cache of earlier prompts' shared beginnings (system prompt, tools, earlier "
+        "turns); off for models whose cache cannot be shared by blocks (sliding window)",
+    )
+    prefix_cache_gib: float | None = Field(
+        None,
+        ge=0,
+        description="memory bound of the prefix cache in GiB (default: 10 % of the device's memory, at most 8)",
+    )
     request_timeout_s: float = Field(300.0, gt=0)
     max_body_bytes: int = Field(1_000_000, ge=1024)
     body_timeout_s: float = Field(

@@ -34,6 +34,7 @@ from service.decoding import (
 from service.decoding.batch_kv import supports_batching
 from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.forward_costs import CostMeasurement
+from service.decoding.prefix_cache import PrefixCache, default_max_bytes, prefix_caching_unsupported
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +113,27 @@ class Runtime:
         policy, refine_costs = None, None
         if settings.adaptive_speculation and settings.num_speculative_tokens > 0:
             policy, refine_costs = _draft_policy(settings, target)
-        engine = Engine(target, drafters, memories, policy)
+        engine = Engine(target, drafters, memories, policy, prefix_cache=_prefix_cache(settings, target))
         return cls(settings, target, engine, store, namespaces, draft, refine_costs)
 
     def close(self) -> None:
         self.store.close()
+
+
+def _prefix_cache(settings: Settings, target: LoadedModel) -> PrefixCache | None:
+    """The engine's prefix cache, or None when it is off or the model's cache cannot be shared (logged)."""
+    if not settings.enable_prefix_caching:
+        return None
+    reason = prefix_caching_unsupported(target.model)
+    if reason is not None:
+        log.warning("prefix caching is off for %s: %s", settings.model, reason)
+        return None
+    if settings.prefix_cache_gib is not None:
+        max_bytes = int(settings.prefix_cache_gib * (1 << 30))
+    else:
+        max_bytes = default_max_bytes(target.device)
+    log.info("prefix caching on: up to %.2f GiB of KV blocks", max_bytes / (1 << 30))
+    return PrefixCache(max_bytes)
 
 
 # How long a start may spend measuring forward costs before it serves on what it has and measures the rest

@@ -53,3 +53,17 @@ def test_cors_flags_like_vllm() -> None:
     args = build_parser().parse_args(["serve", "--allowed-origins", '["*"]', "--allow-credentials"])
     with pytest.raises(CLIError, match="allow_credentials"):
         settings_from_args(args)
+
+
+def test_prefix_caching_flags_reach_the_settings(monkeypatch):
+    """`--no-enable-prefix-caching` and `--prefix-cache-gib` override the default (on, bound from memory)."""
+    from service.cli import build_parser, settings_from_args
+
+    for key in ("CSD_ENABLE_PREFIX_CACHING", "CSD_PREFIX_CACHE_GIB"):
+        monkeypatch.delenv(key, raising=False)
+    default = settings_from_args(build_parser().parse_args(["serve"]))
+    assert default.enable_prefix_caching and default.prefix_cache_gib is None
+    off = settings_from_args(build_parser().parse_args(["serve", "--no-enable-prefix-caching"]))
+    assert not off.enable_prefix_caching
+    sized = settings_from_args(build_parser().parse_args(["serve", "--prefix-cache-gib", "0.25"]))
+    assert sized.enable_prefix_caching and sized.prefix_cache_gib == 0.25

@@ -111,6 +111,16 @@ class ServiceMetrics:
         )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of started generations.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated (emitted to clients).")
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", list(BASE_LABELS),
+            registry=r,
+        )  # fmt: skip
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache (not prefilled).",
+            list(BASE_LABELS), registry=r,
+        )  # fmt: skip
+        for family in (self.prefix_cache_queries, self.prefix_cache_hits):
+            family.labels(*base)  # published at 0 from the start, as vLLM does
         self.request_success = counter(
             "vllm:request_success",
             "Finished requests by finish reason (stop, length; abort: cancelled, timed out or client gone; "
@@ -270,6 +280,11 @@ class ServiceMetrics:
 
     def record_start(self, method: str, drafter: str, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(*self.base_labels, method, drafter).inc(prompt_tokens)
+
+    def record_prefix_cache(self, queried: int, hit: int) -> None:
+        """A request's prompt lookup in the prefix cache, in tokens."""
+        self.prefix_cache_queries.labels(*self.base_labels).inc(queried)
+        self.prefix_cache_hits.labels(*self.base_labels).inc(hit)
 
     def record_step(
         self, method: str, drafter: str, step: GenerationStep, since_arrival: float, since_last: float | None

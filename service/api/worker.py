@@ -486,6 +486,9 @@ class EngineWorker:
             self.metrics.record_step(plan.method, plan.drafter_label, step, now - job.arrived, since_last)
         if active.first_round_end is None:
             active.first_round_end = now
+            if not plan.internal and active.index == 0:  # a request's choices share one prefill
+                stats = active.generation.stats
+                self.metrics.record_prefix_cache(stats.prompt_tokens, stats.cached_tokens)
         active.last_round_end = now
         token_texts = None
         if plan.return_provenance:

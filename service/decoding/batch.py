@@ -7,8 +7,9 @@ explained there). Each `step()`:
    the chunk) stay within `max_batched_tokens`, and one chunk per step, so a long prompt delays the
    others' next round by one bounded chunk forward, never by its whole prefill;
 2. runs one decoding round for every running row (`_round`, read top to bottom): every drafter proposes
-   for its rows, the draft policy picks one draft cap K for the batch (0 when speculation does not pay at
-   this batch size and acceptance), one target forward verifies [last token, draft] of every row, and each
+   for its rows, the draft policy picks each row's draft cap from that row's own acceptance and the
+   batch's forward cost (all 0 when speculation does not pay at this batch size), one target forward
+   verifies [last token, draft] of every row, and each
    row verifies, rescues (CSD) and emits on its own logits as if it ran alone;
 3. drops the rows that finished.
 
@@ -25,7 +26,7 @@ import time
 import torch
 
 from service.decoding.batch_kv import BatchKV
-from service.decoding.draft_policy import DraftPolicy
+from service.decoding.draft_policy import DraftPolicy, RowOffer
 from service.decoding.drafters.base import BatchDrafter, Draft
 from service.decoding.generation import Generation
 from service.decoding.models import LoadedModel
@@ -148,6 +149,8 @@ class Batch:
             return
         group, own = self.joining[0]
         first = group[0]
+        if first.prefilled == 0 and first.prefix_cache is not None:
+            own = self._join_from_cache(group)
         size = self.max_batched_tokens
         if self.running:  # share the step's token budget with the running rows' round
             size = max(min(MIN_PREFILL_CHUNK, size), size - max(self._round_width, len(self.running)))
@@ -168,11 +171,57 @@ class Batch:
                 generation.stats.prefill_seconds += seconds
         if first.prefilled >= len(first.prefill_ids):
             self.joining.popleft()
+            if first.prefix_cache is not None:
+                self._store_prefill(first, own)
             for _ in group[1:]:  # the other choices get copies of the one prefilled cache
                 self.kv.add(own.copy())
             self.kv.add(own)
             # rows were added copies first: row order is the group's order either way (all copies are equal)
             self.running.extend(group)
+
+    # ------------------------------------------------------------------ prefix caching (prefix_cache.py)
+
+    def _join_from_cache(self, group: list[Generation]) -> BatchKV:
+        """A joining group's cached prompt prefix: its keys and values become the group's own cache at the
+        same positions, so prefill feeds only the rest. At least one prompt token is still prefilled: its
+        forward gives the hidden state the first draft starts from. The drafters see the cached tokens as
+        prefill chunks (a draft model fills its own cache; the others keep nothing)."""
+        first = group[0]
+        cache = first.prefix_cache
+        # the whole prompt is the query (vLLM's count); the hit stops short of the last prefill token
+        hit = cache.lookup(first.prompt_ids, max_tokens=len(first.prefill_ids) - 1)
+        own = BatchKV(self.target.model, self.target.device, rows=1)
+        if hit.tokens:
+            own.load_prefix(hit.keys, hit.values)
+            cached = first.prefill_ids[: hit.tokens]
+            for generation in group:
+                drafter = self._drafter_of(generation)
+                if drafter is not None:
+                    for start in range(0, len(cached), self.max_batched_tokens):
+                        drafter.prefill(generation, cached[start : start + self.max_batched_tokens])
+                generation.prefilled = hit.tokens
+        for generation in group:
+            generation.stats.cached_tokens = hit.tokens
+        self.joining[0] = (group, own)
+        return own
+
+    def _store_prefill(self, generation: Generation, own: BatchKV) -> None:
+        """A finished prefill's full blocks into the prefix cache (`own` is one dense row: slot i holds
+        prompt position i)."""
+        tokens = generation.prefill_ids
+        if tokens and own.width >= len(tokens):
+            generation.prefix_cache.store(tokens, own.row_kv(0, len(tokens)))
+
+    def _store_committed(self, generations: list[Generation]) -> None:
+        """Finished sequences' committed tokens (prompt + output; the cache holds all but the last) into the
+        prefix cache, so a conversation's next turn, which resends this answer, starts from it. Only live
+        slots are read: rejected draft tokens are dead slots and never enter the cache."""
+        for row, generation in enumerate(self.running):
+            if generation.prefix_cache is None or not any(generation is g for g in generations):
+                continue
+            length = min(self.kv.length(row), len(generation.committed) - 1)
+            if length >= generation.prefix_cache.block_size:
+                generation.prefix_cache.store(generation.committed[:length], self.kv.row_kv(row, length))
 
     def _final_hidden(self) -> torch.Tensor:
         """The target's final hidden states of the forward that just ran, [B, T, d]."""
@@ -186,14 +235,8 @@ class Batch:
         # 1. draft: every drafter proposes for its rows, up to each row's budget; a constrained row checks its
         # draft against its grammar (cut at a forbidden token, forced tokens drafted for free)
         drafts = [g.constrain(d) for g, d in zip(rows, self._propose(), strict=True)]
-        # 2. cap: one draft length K for the whole batch, from the draft policy (0: a plain step)
-        offers = [
-            (g.drafter.name, d.key, len(d.tokens)) for g, d in zip(rows, drafts, strict=True) if d.tokens
-        ]
-        cap = self.policy.choose_batch(
-            offers, rows=len(rows), max_len=self.max_batched_tokens // len(rows) - 1
-        )
-        drafts = [d.cut(cap) for d in drafts]
+        # 2. cap: each row's draft cap, from its own acceptance and the batch's forward cost (0: a plain step)
+        drafts = self._cap(rows, drafts)
         # 3. verify: one target forward over [last committed token, draft] of every row
         feeds = [g.round_tokens(d) for g, d in zip(rows, drafts, strict=True)]
         logits = self.kv.forward(feeds)
@@ -215,9 +258,25 @@ class Batch:
             generation.target_hidden = hidden[row, kept - 1].clone()
             results.append((generation, step))
         self.kv.settle()
-        done = [g for g, _ in self.failed] + [g for g in self.running if g.finish_reason is not None]
-        self._drop_running(done)
+        finished = [g for g in self.running if g.finish_reason is not None]
+        self._store_committed(finished)
+        self._drop_running([g for g, _ in self.failed] + finished)
         return results
+
+    def _cap(self, rows: list[Generation], drafts: list[Draft]) -> list[Draft]:
+        """Cut every row's draft to its cap from the draft policy (`DraftPolicy.choose_rows`)."""
+        speculating = [i for i, d in enumerate(drafts) if d.tokens]
+        offers = [
+            RowOffer(rows[i].drafter.name, drafts[i].key, len(drafts[i].tokens), rows[i].acceptance)
+            for i in speculating
+        ]
+        caps = self.policy.choose_rows(
+            offers, rows=len(rows), max_len=self.max_batched_tokens // len(rows) - 1
+        )
+        drafts = list(drafts)
+        for i, cap in zip(speculating, caps, strict=True):
+            drafts[i] = drafts[i].cut(cap)
+        return drafts
 
     def _propose(self) -> list[Draft]:
         """Each running row's draft (empty when it does not speculate): one `propose` per drafter for all

@@ -170,6 +170,40 @@ class BatchKV:
             self._drop_left(first)
         self.settle()
 
+    # ------------------------------------------------------------------ prefix caching (prefix_cache.py)
+
+    def load_prefix(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """An empty one-row cache takes a cached prefix: per layer [1, kv_heads, n, head_dim], positions
+        0..n-1 in slots 0..n-1 (dense, so the next forward needs no mask and continues at position n)."""
+        if self.rows != 1 or self.width:
+            raise ValueError("a cached prefix goes into an empty one-row cache")
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.cache.update(k.to(self.device), v.to(self.device), i)  # initialises the empty layer
+        n = keys[0].shape[2]
+        self.mask = torch.ones((1, n), dtype=torch.bool, device=self.device)
+        self.slots = [list(range(n))]
+
+    def row_kv(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys and values of row `row`'s first `length` tokens in sequence order,
+        [kv_heads, length, head_dim] each (views when the slots are contiguous, else gathered copies)."""
+        slots = self.slots[row][:length]
+        if not slots:
+            return []
+        contiguous = slots[-1] - slots[0] + 1 == len(slots)
+        index = None if contiguous else torch.tensor(slots, dtype=torch.long, device=self.device)
+        out = []
+        for layer in self._layers():
+            if index is None:
+                out.append(
+                    (
+                        layer.keys[row, :, slots[0] : slots[-1] + 1],
+                        layer.values[row, :, slots[0] : slots[-1] + 1],
+                    )
+                )
+            else:
+                out.append((layer.keys[row].index_select(1, index), layer.values[row].index_select(1, index)))
+        return out
+
     # ------------------------------------------------------------------ layout maintenance
 
     def _pad_left(self, n: int) -> None:

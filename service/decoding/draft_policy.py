@@ -13,6 +13,10 @@ prior, so they follow a workload that changes. The cost table c(n) is measured o
 (`forward_costs`, cached on disk), so decisions depend on what was served, not on wall-clock noise of this
 round.
 
+In a batch (`choose_rows`) each row's survival is its own: the drafter's per-key rates as a prior, updated
+by the row's decayed tallies, so a sequence whose drafter does well keeps drafting beside one whose drafter
+misses; the padded forward's width (the largest cap) is chosen for the batch's measured cost c(rows, 1 + K).
+
 When the policy chooses l = 0 it still learns nothing about drafting, so every `explore_every`-th such
 decision verifies the draft anyway (a counter, not a random draw: sampling streams stay reproducible).
 
@@ -56,6 +60,51 @@ class _Survival:
             self.kept[i] = self.kept[i] * decay + float(i < kept)
 
 
+# The drafter's per-key rates count as this many rounds of a row's own evidence: a sequence's own acceptance
+# takes over after a few rounds (its decay is faster than the policy's, see RowAcceptance).
+ROW_PRIOR_WEIGHT = 1.0
+# A row's draft positions whose survival estimate is below this are not verified: each costs the row's
+# verification work (an argmax or a softmax over the vocabulary) for under a tenth of a token, and hands a
+# lossy rule (csd) a token the target would most likely not choose.
+MIN_ROW_SURVIVAL = 0.1
+
+
+class RowAcceptance:
+    """One sequence's own decayed tallies of 'draft position i kept given i - 1 kept' (all its drafts, every
+    key): what makes its draft cap its own. Kept by the `Generation`, updated after each verified draft."""
+
+    DECAY = 0.9  # a sequence's drafting luck changes with what it writes: remember ~10 rounds
+
+    def __init__(self) -> None:
+        self._trials: list[float] = []
+        self._kept: list[float] = []
+
+    def tallies(self, i: int) -> tuple[float, float]:
+        """(decayed trials, decayed kept) at draft position i (0-based)."""
+        if i >= len(self._trials):
+            return 0.0, 0.0
+        return self._trials[i], self._kept[i]
+
+    def observe(self, drafted: int, kept: int) -> None:
+        while len(self._trials) < drafted:
+            self._trials.append(0.0)
+            self._kept.append(0.0)
+        for i in range(min(drafted, kept + 1)):  # positions past the first rejection were not tried
+            self._trials[i] = self._trials[i] * self.DECAY + 1.0
+            self._kept[i] = self._kept[i] * self.DECAY + float(i < kept)
+
+
+@dataclass
+class RowOffer:
+    """A speculating row of a round: its drafter, the draft's confidence key, the draft's length, and the
+    row's own acceptance (None: judged by the drafter's rates alone)."""
+
+    drafter: str
+    key: int
+    length: int
+    own: RowAcceptance | None = None
+
+
 class DraftPolicy:
     """Chooses how many draft tokens to verify; shared by every generation of one engine (thread-safe)."""
 
@@ -92,28 +141,40 @@ class DraftPolicy:
     def choose_batch(
         self, drafts: Sequence[tuple[str, int, int]], rows: int, max_len: int | None = None
     ) -> int:
-        """One draft cap K for a batch round: every speculating row verifies min(K, its draft) tokens.
+        """One draft cap K for a batch round whose rows carry no acceptance of their own (see
+        `choose_rows`): every speculating row verifies min(K, its draft) tokens."""
+        offers = [RowOffer(drafter, key, length) for drafter, key, length in drafts]
+        return max(self.choose_rows(offers, rows, max_len), default=0)
 
-        `drafts` holds (drafter, key, available draft length) per speculating row; `rows` counts every row
-        of the batch, speculating or not. The batch's forward is padded to 1 + K tokens per row, so it costs
-        c(rows, 1 + K) while row r adds 1 + sum_{i<=min(K, len_r)} P_r(first i kept) tokens: K maximises
-        their ratio, and K = 0 (no speculation at all) wins whenever drafts do not pay for the wider forward,
-        which at large batch sizes or low acceptance is the usual case.
+    def choose_rows(self, offers: Sequence[RowOffer], rows: int, max_len: int | None = None) -> list[int]:
+        """Each speculating row's draft cap for this round, from its own acceptance and the batch's forward
+        cost.
+
+        `offers` holds one `RowOffer` per speculating row; `rows` counts every row of the batch, speculating
+        or not. Row r keeps its first i draft tokens with probability P_r(i), the product of its survival
+        rates: the drafter's per-key rates (what every sequence taught the policy) as a prior of weight
+        `ROW_PRIOR_WEIGHT`, updated by the row's own decayed tallies (`RowAcceptance`), so a sequence whose
+        drafter does well keeps drafting even where that drafter usually misses, and one whose drafter
+        misses stops although it usually hits. The batch's forward is padded to 1 + K tokens per row
+        (batch_kv.py), so it costs c(rows, 1 + K) whichever rows fill the width: K maximises
+        (rows + sum_r sum_{i <= min(K, len_r)} P_r(i)) / c(rows, 1 + K), and K = 0 (a plain step for all)
+        wins whenever the drafts do not pay for the wider forward. Row r then verifies min(K, len_r, L_r),
+        where L_r drops its draft tail whose survival P_r(i) is below `MIN_ROW_SURVIVAL`: those tokens
+        would almost surely be rejected, and a lossy rule (csd) should not be handed them to rescue.
         """
-        longest = max((length for _, _, length in drafts), default=0)
+        lengths = [offer.length for offer in offers]
+        longest = max(lengths, default=0)
         if max_len is not None:
             longest = min(longest, max_len)
         if longest <= 0 or not self.forward_costs:
-            return max(longest, 0)
+            return [max(0, min(length, longest)) for length in lengths]
         with self._lock:
-            # gain[K] = expected extra tokens the batch emits with cap K
+            # prefix[r][i - 1] = P_r(first i kept); gain[K] = expected extra tokens the batch emits with cap K
+            prefix = [self._prefix(offer, min(offer.length, longest)) for offer in offers]
             gain = [0.0] * (longest + 1)
-            for drafter, key, length in drafts:
-                survival = self._survival.get((drafter, key)) or _Survival()
-                p_prefix = 1.0
-                for i in range(min(length, longest)):
-                    p_prefix *= survival.rate(i)
-                    gain[i + 1] += p_prefix
+            for probs in prefix:
+                for i, p in enumerate(probs):
+                    gain[i + 1] += p
             cost = self.forward_costs
             best_len, best_rate, expected = 0, rows / cost(rows, 1), float(rows)
             for cap in range(1, longest + 1):
@@ -123,9 +184,28 @@ class DraftPolicy:
                     best_len, best_rate = cap, rate
             if best_len == 0:
                 self._skipped += 1
-                if self._skipped % self.explore_every == 0:
-                    return longest
-            return best_len
+                if self._skipped % self.explore_every == 0:  # explore: every draft in full
+                    return [min(length, longest) for length in lengths]
+                return [0] * len(offers)
+        caps = []
+        for probs in prefix:
+            worth = sum(1 for p in probs[:best_len] if p >= MIN_ROW_SURVIVAL)
+            caps.append(worth)
+        return caps
+
+    def _prefix(self, offer: RowOffer, length: int) -> list[float]:
+        """P(first i kept), i = 1..length, for one row (call with the lock held)."""
+        survival = self._survival.get((offer.drafter, offer.key)) or _Survival()
+        own = offer.own
+        out, p = [], 1.0
+        for i in range(length):
+            rate = survival.rate(i)
+            if own is not None:
+                trials, kept = own.tallies(i)
+                rate = (kept + ROW_PRIOR_WEIGHT * rate) / (trials + ROW_PRIOR_WEIGHT)
+            p *= rate
+            out.append(p)
+        return out
 
     def observe(self, drafter: str, key: int, drafted: int, kept: int) -> None:
         if drafted == 0:

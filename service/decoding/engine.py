@@ -15,6 +15,7 @@ from service.decoding.draft_policy import DraftPolicy
 from service.decoding.drafters.base import Drafter
 from service.decoding.generation import Generation
 from service.decoding.models import LoadedModel
+from service.decoding.prefix_cache import PrefixCache, prefix_caching_unsupported
 from service.decoding.types import DecodingError, GenerationStep, SamplingParams, SpeculativeConfig
 from service.decoding.verification import DivergenceMemory
 
@@ -28,12 +29,19 @@ class Engine:
         drafters: dict[str, Drafter] | None = None,
         memories: dict[str, DivergenceMemory] | None = None,
         policy: DraftPolicy | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.target = target
         self.drafters = drafters or {}
         self.memories = memories or {}  # drafter name -> the memory of the (target, drafter) pair
         # Without measured forward costs the policy verifies every draft in full (fixed speculation).
         self.policy = policy or DraftPolicy()
+        if prefix_cache is not None:
+            reason = prefix_caching_unsupported(target.model)
+            if reason is not None:
+                raise DecodingError(f"prefix caching cannot serve {target.name}: {reason}")
+        # KV blocks of earlier prompts, shared by every generation of this engine (None: no prefix caching)
+        self.prefix_cache = prefix_cache
 
     def generate(
         self,
@@ -58,6 +66,7 @@ class Engine:
             memory=self.memories.get(drafter),
             record_strict=record_strict,
             policy=self.policy,
+            prefix_cache=self.prefix_cache,
         )
 
 

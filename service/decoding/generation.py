@@ -27,10 +27,11 @@ from collections.abc import Sequence
 
 import torch
 
-from service.decoding.draft_policy import DraftPolicy
+from service.decoding.draft_policy import DraftPolicy, RowAcceptance
 from service.decoding.drafters.base import Draft, Drafter, DraftRow
 from service.decoding.fact_guard import fact_refusal
 from service.decoding.models import LoadedModel
+from service.decoding.prefix_cache import PrefixCache
 from service.decoding.processing import LogitsProcessing
 from service.decoding.text import IncrementalDetokenizer, StopMatcher
 from service.decoding.types import (
@@ -109,6 +110,7 @@ class Generation:
         memory: DivergenceMemory | None = None,
         record_strict: bool = False,
         policy: DraftPolicy | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if not prompt_ids:
             raise DecodingError("prompt must not be empty")
@@ -135,6 +137,9 @@ class Generation:
                 self.generator.seed()
         self.drafter = drafter if spec.speculates else None
         self.policy = policy or DraftPolicy()
+        self.acceptance = RowAcceptance()  # this sequence's own draft survival: its per-row draft cap
+        # the engine's cache of earlier prompts' KV blocks (None: prefill every prompt in full)
+        self.prefix_cache = prefix_cache
         # tokens that end the generation without being part of it: EOS (unless ignored) and stop_token_ids
         self.eos_ids = (set() if sampling.ignore_eos else target.eos_token_ids()) | set(
             sampling.stop_token_ids
@@ -209,6 +214,7 @@ class Generation:
         verdict = self._verify(draft.tokens, draft.probs, logits)
         if draft.tokens:
             self.policy.observe(self.drafter.name, draft.key, len(draft.tokens), verdict.round.num_kept)
+            self.acceptance.observe(len(draft.tokens), verdict.round.num_kept)
             if draft.key == FORCED_KEY:
                 self.stats.forced_tokens += len(draft.tokens)
         if self.sampling.logprobs is not None:

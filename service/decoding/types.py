@@ -233,6 +233,7 @@ class GenerationStats:
     """  # noqa: E501
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache (not prefilled)
     completion_tokens: int = 0
     target_forwards: int = 0
     num_drafts: int = 0  # rounds that carried at least one draft token

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.decoding.draft_policy import DraftPolicy, measure_forward_costs
+from service.decoding.draft_policy import DraftPolicy, RowAcceptance, RowOffer, measure_forward_costs
+from service.decoding.forward_costs import ForwardCosts
 
 # a CPU-like cost table: any draft token costs a lot, more of them little more
 CPU_COSTS = [1.0, 1.8, 1.9, 2.0, 2.0, 2.1, 2.1]
@@ -77,3 +78,57 @@ def test_a_single_row_table_costs_a_batch_as_one_long_row():
     assert policy.cost(1, 3) == 1.9
     assert policy.cost(2, 2) == 2.0
     assert policy.cost(4, 2) == pytest.approx(2.0 * 8 / 4)
+
+
+# ---------------------------------------------------------------- per-row caps (choose_rows)
+
+
+def _row(kept_of_6: int, rounds: int = 20) -> RowAcceptance:
+    own = RowAcceptance()
+    for _ in range(rounds):
+        own.observe(6, kept_of_6)
+    return own
+
+
+def test_a_row_whose_drafter_does_well_keeps_drafting_where_the_drafter_usually_misses():
+    """The drafter's rates say its drafts die (kept 0 of 6): alone they would be plain steps. A row whose
+    own drafts survive keeps drafting; beside it, a row whose own drafts die is cut to a plain step."""
+    policy = DraftPolicy(CPU_COSTS, explore_every=1000)
+    for _ in range(50):
+        policy.observe("ngram", 2, drafted=6, kept=0)
+    assert policy.choose_rows([RowOffer("ngram", 2, 6)], rows=1) == [0]
+    caps = policy.choose_rows([RowOffer("ngram", 2, 6, _row(6)), RowOffer("ngram", 2, 6, _row(0))], rows=2)
+    assert caps[0] >= 3 and caps[1] == 0  # 3: where a third token stops paying for two rows' width
+
+
+def test_a_row_whose_drafter_misses_decodes_plainly_where_the_drafter_usually_hits():
+    policy = DraftPolicy(CPU_COSTS, explore_every=1000)
+    for _ in range(50):
+        policy.observe("ngram", 4, drafted=6, kept=6)
+    good, bad = RowOffer("ngram", 4, 6, _row(6)), RowOffer("ngram", 4, 6, _row(0, rounds=40))
+    caps = policy.choose_rows([good, bad], rows=2)
+    assert caps[0] >= 3 and caps[1] == 0
+    # a row that keeps two of six verifies about that much, not the full width
+    assert policy.choose_rows([good, RowOffer("ngram", 4, 6, _row(2))], rows=2)[1] in (2, 3)
+
+
+def test_per_row_caps_respect_the_batch_cost_and_lengths():
+    """At 16 rows a wider forward costs 16 rows of tokens: mediocre rows do not pay for it, whatever their
+    own acceptance; a cap never exceeds a row's draft or max_len."""
+    costs = ForwardCosts({1: CPU_COSTS, 16: [16.0 * n for n in range(1, 8)]})
+    policy = DraftPolicy(costs, explore_every=1000)
+    mediocre = [RowOffer("ngram", 2, 6, _row(1)) for _ in range(16)]
+    assert policy.choose_rows(mediocre, rows=16) == [0] * 16
+    strong = [RowOffer("ngram", 2, length, _row(6)) for length in (6, 2, 4, 6)]
+    for max_len in (1, 3, None):
+        caps = policy.choose_rows(strong, rows=4, max_len=max_len)
+        assert max(caps) > 0
+        assert all(c <= min(o.length, max_len or 99) for c, o in zip(caps, strong, strict=True))
+
+
+def test_row_acceptance_forgets():
+    own = _row(6)
+    for _ in range(40):
+        own.observe(6, 0)
+    trials, kept = own.tallies(0)
+    assert kept / trials < 0.05
