@@ -1,7 +1,8 @@
 """A throwaway `redis-server` on a free port in a directory of its own, for tests and benchmarks.
 
 Durable the way the shared OCM expects a production server to be: AOF on, fsync on every write, no RDB
-snapshots. Never the machine's own server: the port is chosen free, the data lives in `directory`.
+snapshots; or, with `persistent=False`, a server that comes back empty after every restart (a cache-style
+Redis, the case the OCM's restore from the replicas' views is for). Never the machine's own server: the port is chosen free, the data lives in `directory`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class RedisProcess:
         password: str | None = None,
         extra_args: tuple[str, ...] = (),
         tls: dict[str, str] | None = None,
+        persistent: bool = True,
+        port: int | None = None,
     ) -> None:
         """tls: {"cert": path, "key": path, "ca": path} serves TLS only (the plain port is closed)."""
         binary = shutil.which("redis-server")
@@ -37,7 +40,8 @@ class RedisProcess:
         self.binary = binary
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = port or free_port()
+        self.persistent = persistent
         self.password = password
         self.tls = tls
         self.extra_args = extra_args
@@ -50,8 +54,9 @@ class RedisProcess:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def command(self) -> list[str]:
-        args = [self.binary, "--bind", "127.0.0.1", "--dir", str(self.directory), "--appendonly", "yes",
-                "--appendfsync", "always", "--save", "", "--daemonize", "no", "--logfile", ""]  # fmt: skip
+        args = [self.binary, "--bind", "127.0.0.1", "--dir", str(self.directory),
+                "--appendonly", "yes" if self.persistent else "no", "--appendfsync", "always", "--save", "",
+                "--daemonize", "no", "--logfile", ""]  # fmt: skip
         if self.tls:
             args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls["cert"],
                      "--tls-key-file", self.tls["key"], "--tls-ca-cert-file", self.tls["ca"],
