@@ -37,8 +37,8 @@ counts it (`restores`, `restored_increments`). After a reconnect, or when the se
 is checked against Redis and any count Redis lacks is raised back to it. A deliberate `reset` keeps the gen
 and moves the epoch, so it is reloaded (forgotten) by every replica, never restored.
 
-Security. The URL goes to redis-py's `from_url` (password, ACL user, `rediss://` TLS with its `ssl_*` query
-options); this module only ever shows it masked, and scrubs the password out of any error text.
+Security. The URL goes to redis-py through `ocm_store.urls` (a server, a Sentinel service or a Cluster;
+password, ACL user, TLS with redis-py's `ssl_*` query options); this module only ever shows it masked, and scrubs the password out of any error text.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ from ocm_store.base import (
 )
 from ocm_store.redaction import Scrubber, mask_url
 from ocm_store.spill import SpilledBatch, read_spills, remove_spills, write_spill
+from ocm_store.urls import open_client
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class RedisStore(OCMStore):
         self.url = mask_url(url)  # the only form of the URL this object keeps
         self._scrub = Scrubber(url)
         try:
-            self._client = redis.Redis.from_url(
+            self._client = open_client(
                 url,
                 socket_connect_timeout=connect_timeout_s,
                 socket_timeout=command_timeout_s,
@@ -462,7 +463,10 @@ class RedisStore(OCMStore):
     # ------------------------------------------------------------ local state
 
     def _script(self, pipe, name: str, keys_: list[str], args: Sequence = ()) -> None:
-        pipe.evalsha(self._scripts[name][1], len(keys_), *keys_, *args)
+        # execute_command, not pipe.evalsha: redis-py's cluster pipeline blocks the evalsha method (it cannot
+        # know the keys are in one slot); the command itself is routed by its first key, and every script's
+        # keys share the namespace's hash tag (keys.py).
+        pipe.execute_command("EVALSHA", self._scripts[name][1], len(keys_), *keys_, *args)
 
     def _needs_scripts(self, results: list) -> bool:
         """True (after loading the scripts) when the server did not know them: run the pipeline again."""
