@@ -205,3 +205,37 @@ def test_a_cluster_pools_restores_and_resets_with_one_slot_per_script(tmp_path):
         b.close()
         client.close()
         cluster.stop()
+
+
+def test_csd_ocm_export_and_import_move_a_memory_from_one_redis_to_a_cluster(tmp_path, capsys, monkeypatch):
+    import json
+
+    from ocm_store.redis_process import RedisProcess
+    from service.cli import main
+
+    monkeypatch.delenv("CSD_REDIS_URL", raising=False)
+    monkeypatch.setenv("CSD_CACHE_DIR", str(tmp_path / "cache"))
+    rows = [
+        {"namespace": NS.key, "draft_token": i, "target_token": 900 + i, "count": i + 1} for i in range(40)
+    ]
+    seed, moved, back = tmp_path / "seed.jsonl", tmp_path / "moved.jsonl", tmp_path / "back.jsonl"
+    seed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = RedisProcess(tmp_path / "source").start()
+    cluster = ClusterSetup(tmp_path / "cluster").start()
+    try:
+        assert main(["ocm", "import", str(seed), "--redis-url", source.url]) == 0
+        assert main(["ocm", "export", str(moved), "--redis-url", source.url]) == 0
+        assert main(["ocm", "import", str(moved), "--redis-url", cluster.url]) == 0
+        assert main(["ocm", "export", str(back), "--redis-url", cluster.url]) == 0
+        got = [json.loads(line) for line in back.read_text().splitlines()]
+        assert sorted(got, key=lambda r: r["draft_token"]) == rows
+        # and a replica started on the new cluster serves with the moved memory from its first lookup
+        store = open_store(cluster.url)
+        try:
+            assert store.memory(NS).counts([(39, 939)]) == [40]
+        finally:
+            store.close()
+    finally:
+        capsys.readouterr()
+        cluster.stop()
+        source.stop()
