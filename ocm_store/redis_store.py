@@ -158,7 +158,6 @@ class RedisStore(OCMStore):
         self.flush_every = flush_every
         self.max_backoff_s = max_backoff_s
         self._writer = secrets.token_hex(8)  # this instance's id for idempotent batches
-        self._gen_candidate = secrets.token_hex(8)
         self._next_batch = 0
         # EVALSHA with hashes computed here; the scripts are loaded on the first NOSCRIPT answer (a fresh
         # or restarted server), not checked before every pipeline as redis-py's Script objects do.
@@ -597,7 +596,9 @@ class RedisStore(OCMStore):
                         local.inflight_batch,
                         self.max_patterns,
                         self.keep_patterns,
-                        self._gen_candidate,
+                        # a fresh token each time: a gen must never come back after a loss (one token per
+                        # store would, if this store started the namespace and then refilled it)
+                        secrets.token_hex(8),
                     ]
                     for d, t in fields:
                         args += [keys.pattern_field(d, t), local.inflight[(d, t)]]
@@ -753,7 +754,7 @@ class RedisStore(OCMStore):
         added = raised = 0
         gen = gen_seen
         for start in range(0, len(view), BATCH_PATTERNS):
-            args: list = [loss, gen_seen, epoch_seen, self._gen_candidate, self.max_patterns,
+            args: list = [loss, gen_seen, epoch_seen, secrets.token_hex(8), self.max_patterns,
                           self.keep_patterns]  # fmt: skip
             for (d, t), n in view[start : start + BATCH_PATTERNS]:
                 args += [keys.pattern_field(d, t), n]
