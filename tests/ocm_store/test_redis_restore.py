@@ -84,8 +84,8 @@ def test_redis_restarted_empty_under_load_gets_every_count_back_from_two_replica
             before = in_redis(client, NS)
             assert sum(before.values()) > 1000
             server.kill()
-            server.start()  # same port, no persistence: empty
-            assert in_redis(client, NS) == {}
+            server.start()  # same port, no persistence: empty (the replicas refill it at once, so the test
+            # shows the loss by the restores it causes, below)
             at_restart = load.total()
             wait_until(lambda: load.total() > at_restart + 1000, timeout=60)  # serving goes on
             wait_until(lambda: sum(s.status().extra["restores"] for s in stores) >= 1, timeout=30)
