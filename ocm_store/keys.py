@@ -7,6 +7,7 @@ old keys). Per model pair (`Namespace`), with `{id}` = the first 16 hex digits o
     csd:ocm:v1:{id}:changes    zset    "draft:target" -> seq           seq of the last flush that touched it
     csd:ocm:v1:{id}:meta       hash    gen, seq, epoch, floor           change tracking (see redis_scripts)
     csd:ocm:v1:{id}:writers    hash    writer id -> last batch number   makes a retried flush idempotent
+    csd:ocm:v1:{id}:restored   zset    "draft:target" -> count          restore bases after a data loss
     csd:ocm:v1:namespaces      hash    id -> namespace.key              registry: `namespaces()` without SCAN
 
 The `{id}` braces are a Redis Cluster hash tag: one namespace's keys share a slot, so each Lua script only
@@ -37,11 +38,12 @@ class NamespaceKeys:
     changes: str
     meta: str
     writers: str
+    restored: str
 
     @property
     def all(self) -> list[str]:
         """In the order the Lua scripts take them as KEYS."""
-        return [self.counts, self.changes, self.meta, self.writers]
+        return [self.counts, self.changes, self.meta, self.writers, self.restored]
 
 
 def keys_for(namespace: Namespace) -> NamespaceKeys:
@@ -50,7 +52,7 @@ def keys_for(namespace: Namespace) -> NamespaceKeys:
 
 def keys_for_id(nid: str) -> NamespaceKeys:
     base = f"{PREFIX}:{{{nid}}}"
-    return NamespaceKeys(nid, base, f"{base}:changes", f"{base}:meta", f"{base}:writers")
+    return NamespaceKeys(nid, base, f"{base}:changes", f"{base}:meta", f"{base}:writers", f"{base}:restored")
 
 
 def pattern_field(draft_token: int, target_token: int) -> str:

@@ -135,6 +135,8 @@ class InMemoryStore(OCMStore):
                 "last_flush_seconds": self.last_save_seconds,
                 "evicted": self.evicted,
                 "reconnects": 0,
+                "restores": 0,
+                "restored_increments": 0,
                 "malformed_values": self.malformed,
             },
         )

@@ -8,13 +8,16 @@ MASK = "***"
 
 
 def url_secrets(url: str) -> list[str]:
-    """The secret parts of a URL: the password (raw and percent-decoded) and any `password=` query value."""
+    """The secret parts of a URL: the password (raw and percent-decoded) and any `password=` or
+    `sentinel_password=` query value."""
     found: list[str] = []
     try:
         parts = urlsplit(url)
         if parts.password:
             found += [parts.password, unquote(parts.password)]
-        found += [v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k == "password" and v]
+        found += [
+            v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k.endswith("password") and v
+        ]
     except ValueError:
         pass
     return sorted({s for s in found if s}, key=len, reverse=True)
@@ -30,7 +33,10 @@ def mask_url(url: str) -> str:
             user = userinfo.split(":", 1)[0]
             netloc = f"{user}:{MASK}@{hostport}"
         query = urlencode(
-            [(k, MASK if k == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)],
+            [
+                (k, MASK if k.endswith("password") else v)
+                for k, v in parse_qsl(parts.query, keep_blank_values=True)
+            ],
             safe="*/",
         )
         return urlunsplit((parts.scheme, netloc, parts.path, query, ""))

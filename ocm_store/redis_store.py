@@ -28,8 +28,17 @@ restart loses nothing and a replay that is cut short and repeated never counts t
 Redis (a score that is not a whole count, a member that is not "draft:target", a key of the wrong type) is
 skipped and logged, and the status says so; a junk count is overwritten by the next increment of it.
 
-Security. The URL goes to redis-py's `from_url` (password, ACL user, `rediss://` TLS with its `ssl_*` query
-options); this module only ever shows it masked, and scrubs the password out of any error text.
+Redis that loses data (no persistence and a restart, a failover to a replica that had not caught up, a
+flushed instance). Every replica holds a view of the pooled counts. A refresh (or a flush reply) that finds
+the namespace's `gen` gone or changed means the history is lost: the replica writes its view back through
+the RESTORE script, which takes the maximum per pattern over the replicas' views plus every increment since
+(see `redis_scripts`: never counted twice, however many replicas restore at once), logs it at WARNING and
+counts it (`restores`, `restored_increments`). After a reconnect, or when the seq went backwards, the view
+is checked against Redis and any count Redis lacks is raised back to it. A deliberate `reset` keeps the gen
+and moves the epoch, so it is reloaded (forgotten) by every replica, never restored.
+
+Security. The URL goes to redis-py through `ocm_store.urls` (a server, a Sentinel service or a Cluster;
+password, ACL user, TLS with redis-py's `ssl_*` query options); this module only ever shows it masked, and scrubs the password out of any error text.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ from ocm_store.base import (
 )
 from ocm_store.redaction import Scrubber, mask_url
 from ocm_store.spill import SpilledBatch, read_spills, remove_spills, write_spill
+from ocm_store.urls import open_client
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +101,7 @@ class _Local:
     gen: str = ""
     epoch: str = ""  # "" matches no epoch in Redis: the first refresh reads the whole set
     junk: set[bytes] = field(default_factory=set)
+    verify: bool = False  # after a reconnect: check that Redis still holds at least this view (a failover)
     error: str = ""  # the last answer Redis gave for this namespace that was an error
     retry_at: float = 0.0
 
@@ -128,7 +139,7 @@ class RedisStore(OCMStore):
         self.url = mask_url(url)  # the only form of the URL this object keeps
         self._scrub = Scrubber(url)
         try:
-            self._client = redis.Redis.from_url(
+            self._client = open_client(
                 url,
                 socket_connect_timeout=connect_timeout_s,
                 socket_timeout=command_timeout_s,
@@ -147,7 +158,6 @@ class RedisStore(OCMStore):
         self.flush_every = flush_every
         self.max_backoff_s = max_backoff_s
         self._writer = secrets.token_hex(8)  # this instance's id for idempotent batches
-        self._gen_candidate = secrets.token_hex(8)
         self._next_batch = 0
         # EVALSHA with hashes computed here; the scripts are loaded on the first NOSCRIPT answer (a fresh
         # or restarted server), not checked before every pipeline as redis-py's Script objects do.
@@ -157,6 +167,7 @@ class RedisStore(OCMStore):
                 ("flush", redis_scripts.FLUSH),
                 ("refresh", redis_scripts.REFRESH),
                 ("reset", redis_scripts.RESET),
+                ("restore", redis_scripts.RESTORE),
             )
         }
 
@@ -177,6 +188,8 @@ class RedisStore(OCMStore):
         self._last_flush_seconds = 0.0
         self._evicted = 0
         self._reconnects = 0
+        self._restores = 0
+        self._restored_increments = 0
         self._ever_lost = False
 
         self.spill_dir = spill_dir
@@ -289,7 +302,7 @@ class RedisStore(OCMStore):
                 for _attempt in range(2):
                     pipe = self._client.pipeline(transaction=False)
                     for nid in sorted(ids):
-                        self._script(pipe, "reset", keys.keys_for_id(nid).all[:3])
+                        self._script(pipe, "reset", keys.keys_for_id(nid).all)
                         pipe.hdel(keys.REGISTRY, nid)
                     results = pipe.execute(raise_on_error=False)
                     if not self._needs_scripts(results):
@@ -321,6 +334,8 @@ class RedisStore(OCMStore):
                 "last_flush_seconds": self._last_flush_seconds,
                 "evicted": self._evicted,
                 "reconnects": self._reconnects,
+                "restores": self._restores,
+                "restored_increments": self._restored_increments,
                 "malformed_values": junk,
             }
         if not self._connected:
@@ -447,7 +462,10 @@ class RedisStore(OCMStore):
     # ------------------------------------------------------------ local state
 
     def _script(self, pipe, name: str, keys_: list[str], args: Sequence = ()) -> None:
-        pipe.evalsha(self._scripts[name][1], len(keys_), *keys_, *args)
+        # execute_command, not pipe.evalsha: redis-py's cluster pipeline blocks the evalsha method (it cannot
+        # know the keys are in one slot); the command itself is routed by its first key, and every script's
+        # keys share the namespace's hash tag (keys.py).
+        pipe.execute_command("EVALSHA", self._scripts[name][1], len(keys_), *keys_, *args)
 
     def _needs_scripts(self, results: list) -> bool:
         """True (after loading the scripts) when the server did not know them: run the pipeline again."""
@@ -531,6 +549,10 @@ class RedisStore(OCMStore):
         self._link_error = ""
         self._backoff = 0.0
         self._next_refresh = 0.0
+        if self._ever_lost:  # perhaps another server now (a failover): check it holds what we saw
+            with self._lock:
+                for local in self._states.values():
+                    local.verify = True
 
     def _lost(self, exc: BaseException) -> None:
         error = self._scrub(f"{type(exc).__name__}: {exc}")
@@ -574,11 +596,13 @@ class RedisStore(OCMStore):
                         local.inflight_batch,
                         self.max_patterns,
                         self.keep_patterns,
-                        self._gen_candidate,
+                        # a fresh token each time: a gen must never come back after a loss (one token per
+                        # store would, if this store started the namespace and then refilled it)
+                        secrets.token_hex(8),
                     ]
                     for d, t in fields:
                         args += [keys.pattern_field(d, t), local.inflight[(d, t)]]
-                    self._script(pipe, "flush", local.keys.all, args)
+                    self._script(pipe, "flush", local.keys.all[:4], args)
                     pipe.hset(keys.REGISTRY, local.keys.id, ns.key)
                     sent.append((ns, local, fields))
             if not sent:
@@ -598,15 +622,20 @@ class RedisStore(OCMStore):
                     if isinstance(result, Exception):
                         self._namespace_error(ns, local, result)
                         continue
-                    _applied, _seq, evicted, repaired, values = result
+                    _applied, _seq, evicted, repaired, values, gen = result
                     self._evicted += int(evicted)
-                    for pattern, value in zip(fields, values, strict=True):
-                        count = keys.parse_count(value)
-                        if count is None:
-                            local.snapshot.pop(pattern, None)  # evicted (or junk again already)
-                        else:
-                            local.snapshot[pattern] = count
-                        local.junk.discard(keys.pattern_field(*pattern).encode())
+                    if local.gen and gen.decode() != local.gen:
+                        # Redis lost the namespace's history: these counts are the emptied Redis's, not
+                        # the pool's. The view stays as it is for the restore, which the next refresh does.
+                        self._next_refresh = 0.0
+                    else:
+                        for pattern, value in zip(fields, values, strict=True):
+                            count = keys.parse_count(value)
+                            if count is None:
+                                local.snapshot.pop(pattern, None)  # evicted (or junk again already)
+                            else:
+                                local.snapshot[pattern] = count
+                            local.junk.discard(keys.pattern_field(*pattern).encode())
                     sent_total = sum(local.inflight.values()) if local.inflight else 0
                     local.inflight = None
                     local.buffered -= sent_total
@@ -654,12 +683,18 @@ class RedisStore(OCMStore):
             results = pipe.execute(raise_on_error=False)
             if not self._needs_scripts(results):
                 break
+        restored: list[Namespace] = []
         for (ns, local), result in zip(todo, results, strict=True):
             if isinstance(result, Exception):
                 with self._lock:
                     self._namespace_error(ns, local, result)
                 continue
             gen, seq, epoch, mode = result[0].decode(), int(result[1]), result[2].decode(), result[3]
+            loss = self._loss(local, gen, seq, epoch)
+            if loss is not None:
+                self._restore(ns, local, loss)
+                restored.append(ns)
+                continue
             if mode == b"full":
                 try:
                     fresh, junk = self._scan(local.keys.counts)
@@ -692,6 +727,71 @@ class RedisStore(OCMStore):
                 local.seq, local.gen, local.epoch = seq, gen, epoch
                 if local.inflight is None:
                     local.error = ""
+        if restored:
+            self._refresh(restored)  # a full reload: the pool's counts after the restore
+
+    def _loss(self, local: _Local, gen: str, seq: int, epoch: str) -> str | None:
+        """'lost' when Redis no longer has the namespace's history that this view came from (its gen is
+        gone or another), 'behind' when it may hold fewer counts than this view (its seq went backwards, or
+        it may be another server after a reconnect), None when it cannot have lost anything we saw. A reset
+        or an eviction keeps the gen and moves the epoch: that is a reload, never a restore."""
+        with self._lock:
+            verify, local.verify = local.verify, False
+            if not local.gen or not local.snapshot:
+                return None  # nothing seen, nothing to restore
+            if gen != local.gen:
+                return "lost"
+            if epoch == local.epoch and (seq < local.seq or verify):
+                return "behind"
+            return None
+
+    def _restore(self, ns: Namespace, local: _Local, loss: str) -> None:
+        """Send this replica's view back to Redis through the RESTORE script (see redis_scripts for why it
+        never counts twice, however many replicas restore at once); caller holds _io."""
+        with self._lock:
+            view = list(local.snapshot.items())
+            gen_seen, epoch_seen = local.gen, local.epoch
+        added = raised = 0
+        gen = gen_seen
+        for start in range(0, len(view), BATCH_PATTERNS):
+            args: list = [loss, gen_seen, epoch_seen, secrets.token_hex(8), self.max_patterns,
+                          self.keep_patterns]  # fmt: skip
+            for (d, t), n in view[start : start + BATCH_PATTERNS]:
+                args += [keys.pattern_field(d, t), n]
+            for _attempt in range(2):
+                pipe = self._client.pipeline(transaction=False)
+                self._script(pipe, "restore", local.keys.all, args)
+                pipe.hset(keys.REGISTRY, local.keys.id, ns.key)
+                results = pipe.execute(raise_on_error=False)
+                if not self._needs_scripts(results):
+                    break
+            if isinstance(results[0], Exception):
+                with self._lock:
+                    self._namespace_error(ns, local, results[0])
+                return
+            outcome, new_gen, n_added, n_raised = results[0]
+            if outcome == b"stale":  # nothing lost relative to this view after all: a plain reload
+                break
+            gen = new_gen.decode()
+            added, raised = added + int(n_added), raised + int(n_raised)
+        with self._lock:
+            local.gen, local.epoch, local.seq = gen, "", 0  # the next refresh reads everything
+            if added:
+                self._restores += 1
+                self._restored_increments += added
+        if added:
+            log.warning(
+                "OCM store: Redis at %s %s namespace %s; restored %d increments over %d patterns from this "
+                "replica's view of %d patterns",
+                self.url,
+                "lost the history of" if loss == "lost" else "held fewer counts than this replica saw in",
+                ns.key,
+                added,
+                raised,
+                len(view),
+            )
+        else:
+            log.info("OCM store: Redis at %s holds everything this replica saw of %s", self.url, ns.key)
 
     def _scan(self, key: str) -> tuple[dict[Pair, int], set[bytes]]:
         """The whole sorted set, read in slices so that no single command blocks Redis for long."""

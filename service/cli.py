@@ -45,7 +45,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--device", help="cpu | cuda | cuda:N | auto")
     g.add_argument("--cache-dir", type=Path, help="where converted GGUF weights and the OCM file live")
-    g.add_argument("--redis-url", help="shared OCM in Redis (redis:// or rediss://)")
+    g.add_argument(
+        "--redis-url", help="shared OCM in Redis: redis[s]://, redis[s]+sentinel://, redis[s]+cluster://"
+    )
     g.add_argument("--ocm-path", type=Path, help="file the in-process OCM persists to")
 
 

@@ -57,7 +57,9 @@ class Settings(BaseSettings):
 
     # ---- Online Correction Memory
     redis_url: SecretStr | None = Field(
-        None, description="redis:// or rediss:// URL; empty: in-process store"
+        None,
+        description="redis[s]://, redis[s]+sentinel:// or redis[s]+cluster:// URL (docs/redis.md); "
+        "empty: in-process store",
     )
     ocm_path: Path | None = Field(None, description="file the in-process store persists to")
     ocm_max_patterns: int = Field(200_000, ge=100, description="cap on distinct patterns per model pair")

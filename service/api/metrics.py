@@ -373,6 +373,8 @@ class OCMStoreCollector(Collector):
     DROPPED = "dropped_increments"
     EVICTED = ("evicted_patterns", "evicted")  # the in-process store says "evicted"
     RECONNECTS = "reconnects"
+    RESTORES = "restores"
+    RESTORED = "restored_increments"
     FLUSH_SECONDS = "flush_seconds_total"
     FLUSHES = "flushes"
 
@@ -443,6 +445,18 @@ class OCMStoreCollector(Collector):
             "csd_ocm_reconnects",
             "Reconnections to the shared store.",
             number(self.RECONNECTS),
+        )
+        yield family(
+            CounterMetricFamily,
+            "csd_ocm_restores",
+            "Times this replica restored counts the shared store had lost (a Redis that came back empty).",
+            number(self.RESTORES),
+        )
+        yield family(
+            CounterMetricFamily,
+            "csd_ocm_restored_increments",
+            "Pattern increments this replica wrote back to the shared store after a data loss.",
+            number(self.RESTORED),
         )
         flush = SummaryMetricFamily(
             "csd_ocm_flush_seconds",

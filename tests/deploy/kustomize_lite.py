@@ -46,6 +46,7 @@ MERGE_KEYS = {
     "volumeMounts": "mountPath",
     "imagePullSecrets": "name",
     "tolerations": None,
+    "ingress": None,  # NetworkPolicySpec.ingress has no patch strategy: replaced
     "args": None,
     "command": None,
 }
