@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from ocm_store.base import OCMStoreError
+from service.decoding.drafter_registry import DRAFTER_NAMES, describe_drafters
 from service.decoding.types import DecodingError, Method, SamplingParams
 from service.log_format import configure_root
 
@@ -56,8 +57,8 @@ def _add_speculation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", choices=[m.value for m in Method])
     g.add_argument(
         "--drafter",
-        choices=["ngram", "head", "combined", "model"],
-        help="default: combined (prompt lookup, else the trained head) on the embedded model, else ngram",
+        choices=DRAFTER_NAMES,
+        help=f"{describe_drafters()}; default: combined on the embedded model, else ngram",
     )
     g.add_argument("--num-speculative-tokens", type=int)
     g.add_argument("--tau", type=float, help="semantic gate: p(draft)/p(target top) >= tau, in (0, 1]")

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.decoding.drafter_registry import DrafterName, describe_drafters, drafter_entry
 from service.decoding.paths import default_cache_dir
 from service.decoding.types import Method, SpeculativeConfig
 
@@ -39,7 +40,7 @@ class Settings(BaseSettings):
     # ---- speculation defaults (a request may override them)
     method: Method = Method.CSD
     # default: 'combined' (prompt lookup, else the trained head) where a head is loaded, 'ngram' elsewhere
-    drafter: Literal["ngram", "head", "combined", "model"] | None = None
+    drafter: DrafterName | None = Field(None, description=describe_drafters())
     num_speculative_tokens: int = Field(6, ge=0, le=64)
     tau: float = Field(0.01, gt=0, le=1)
     lambda_: float = Field(6, ge=0, validation_alias=AliasChoices("lambda", "CSD_LAMBDA"))
@@ -156,10 +157,10 @@ class Settings(BaseSettings):
             raise ValueError("ngram_min must not exceed ngram_max")
         if self.drafter is None:
             self.drafter = "combined" if self.has_head else "ngram"
-        if self.drafter in ("head", "combined") and not self.draft_head:
-            raise ValueError(f"drafter {self.drafter!r} needs draft_head (CSD_DRAFT_HEAD or --draft-head)")
-        if self.drafter == "model" and not self.draft_model:
-            raise ValueError("drafter 'model' needs draft_model (CSD_DRAFT_MODEL or --draft-model)")
+        needs = drafter_entry(self.drafter).needs
+        if needs is not None and not getattr(self, needs):
+            option = needs.replace("_", "-")
+            raise ValueError(f"drafter {self.drafter!r} needs {needs} (CSD_{needs.upper()} or --{option})")
         if self.max_batched_tokens < self.max_batch_size:
             raise ValueError("max_batched_tokens must be at least max_batch_size (a token per generation)")
         if self.allow_credentials and "*" in self.allowed_origins:

@@ -18,21 +18,18 @@ from ocm_store.factory import open_store
 from service.config import Settings
 from service.cost_cache import cost_file, cost_key, load_costs, save_costs
 from service.decoding import (
-    CombinedDrafter,
     DecodingError,
-    Drafter,
     DraftPolicy,
     Engine,
     HeadDrafter,
     LoadedModel,
-    ModelDrafter,
-    NgramDrafter,
     check_same_vocabulary,
     load_model,
     vocabulary_hash,
 )
 from service.decoding.batch_kv import supports_batching
 from service.decoding.draft_head import EMBEDDED_HEAD_DIR
+from service.decoding.drafter_registry import DrafterInputs, build_drafters, drafter_entry
 from service.decoding.forward_costs import CostMeasurement
 from service.decoding.prefix_cache import PrefixCache, default_max_bytes, prefix_caching_unsupported
 
@@ -66,7 +63,6 @@ class Runtime:
             cache_dir=settings.cache_dir,
             pack_cpu_weights=settings.pack_cpu_weights,
         )
-        drafters: dict[str, Drafter] = {"ngram": NgramDrafter(settings.ngram_min, settings.ngram_max)}
         draft = None
         if settings.draft_model:
             draft = load_model(
@@ -77,12 +73,10 @@ class Runtime:
                 pack_cpu_weights=settings.pack_cpu_weights,
             )
             check_same_vocabulary(target, draft)
-            drafters["model"] = ModelDrafter(draft)
         head = _load_head(settings, target)
-        if head is not None:
-            drafters["head"] = head
-            drafters["combined"] = CombinedDrafter(drafters["ngram"], head)
-        elif settings.drafter in ("head", "combined"):
+        inputs = DrafterInputs(target, settings.ngram_min, settings.ngram_max, draft=draft, head=head)
+        drafters = build_drafters(inputs)
+        if settings.drafter not in drafters and drafter_entry(settings.drafter).needs == "draft_head":
             raise DecodingError(
                 f"drafter {settings.drafter!r} needs a draft head trained for {settings.model!r} "
                 "(--draft-head FOLDER; the embedded head serves the embedded model only)"

@@ -31,9 +31,14 @@ import time
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from service.decoding.generation import Generation
+    from service.decoding.requests import EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +46,35 @@ FORMAT_VERSION = 1
 QUEUE_RECORDS = 4096  # records waiting for the writer; more are dropped (and counted), never waited for
 SHARD_RECORDS = 10_000  # records per shard file before the next one starts
 SHARD_GLOB = "traffic-*.jsonl.gz"
+
+
+def traffic_record(request: EngineRequest, index: int, generation: Generation, model_identity: str) -> dict:
+    """What fine-tuning needs of one finished generation (choice `index` of `request`): token ids, no text."""
+    answer = [t.token_id for t in generation.tokens]
+    stats = generation.stats
+    # It ended on its end-of-turn token, which the emitted tokens leave out: appended when there is only
+    # one it could be (a request's stop_token_ids add others, and which one ended it is not kept).
+    end_known = not stats.num_eos or len(generation.eos_ids) == 1
+    if stats.num_eos and end_known:
+        answer.extend(generation.eos_ids)
+    drafter = generation.drafter
+    return {
+        "v": FORMAT_VERSION,
+        "time": round(time.time(), 3),
+        "model": model_identity,
+        "method": request.method,
+        "drafter": request.drafter_label,
+        "drafter_identity": drafter.identity if drafter is not None else None,
+        "temperature": request.sampling_for(index).temperature,
+        "finish_reason": generation.finish_reason or "stop",
+        "ended_on_end_token": bool(stats.num_eos),
+        "end_token_known": end_known,
+        "prompt_ids": list(request.prompt_ids),
+        "answer_ids": answer,
+        "target_forwards": stats.target_forwards,
+        "draft_tokens": stats.num_draft_tokens,
+        "accepted_tokens": stats.num_accepted,
+    }
 
 
 class TrafficRecorder:

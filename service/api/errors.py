@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from service.decoding.requests import FailReason
+
 log = logging.getLogger(__name__)
 
 # OpenAI's error types; the status code tells the same story for clients that only look at that.
@@ -79,6 +81,51 @@ def unsupported(param: str, what: str | None = None) -> APIError:
         param=param,
         code="unsupported_parameter",
     )
+
+
+def shutting_down(message: str = "the server is shutting down") -> APIError:
+    return APIError(503, message, type=UNAVAILABLE, code="shutting_down")
+
+
+def timed_out(message: str = "the request timed out before its generation finished") -> APIError:
+    return APIError(504, message, type=TIMEOUT, code="timeout")
+
+
+def engine_failure() -> APIError:
+    return APIError(
+        500,
+        "the generation failed inside the engine; the server keeps serving (details in the server log)",
+        type=SERVER,
+        code="engine_error",
+    )
+
+
+def queue_full(retry_after_s: int, running: int, waiting: int) -> APIError:
+    return APIError(
+        429,
+        f"the server is busy ({running} running, {waiting} waiting); retry after {retry_after_s}s",
+        type=RATE_LIMIT,
+        code="queue_full",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def from_engine(reason: FailReason, message: str, cancel_reason: str = "") -> APIError:
+    """The one mapping from why the engine core gave a request up to the error its client gets.
+    `cancel_reason`: why this side aborted it (client disconnected, timeout, shutdown), for ABORTED."""
+    if reason is FailReason.INVALID:
+        return bad_request(message)
+    if reason is FailReason.TOO_MANY_ROWS:
+        return APIError(400, "n is above this server's batch size", param="n", code=TOO_MANY_CHOICES)
+    if reason is FailReason.TIMEOUT or cancel_reason == "timeout":
+        return timed_out()
+    if reason is FailReason.ABORTED:
+        if cancel_reason == "shutdown":
+            return shutting_down()
+        return APIError(
+            CLIENT_CLOSED_REQUEST, f"generation stopped: {cancel_reason or 'aborted'}", code="cancelled"
+        )
+    return engine_failure()
 
 
 def error_response(error: APIError) -> Response:

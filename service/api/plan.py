@@ -20,6 +20,7 @@ from service.api.errors import (
     bad_request,
     unsupported,
 )
+from service.api.events import GenerationPlan
 from service.api.schemas import (
     MAX_PROMPTS,
     ChatCompletionRequest,
@@ -29,7 +30,6 @@ from service.api.schemas import (
     Tool,
 )
 from service.api.tools import ToolPlan, render_messages, template_renders_tools
-from service.api.worker import GenerationPlan
 from service.config import Settings
 from service.decoding import (
     Constraint,
@@ -39,6 +39,7 @@ from service.decoding import (
     SamplingParams,
     SpeculativeConfig,
 )
+from service.decoding.drafter_registry import drafter_entry
 from service.decoding.text import encode_chat, encode_prompt
 from service.runtime import Runtime
 
@@ -84,12 +85,8 @@ def speculative_config(
         raise bad_request(str(exc), param="speculative") from None
     if spec.speculates and drafter not in runtime.engine.drafters:
         available = ", ".join(sorted(runtime.engine.drafters))
-        hints = {
-            "model": " (start the server with --draft-model to enable 'model')",
-            "head": " (the server has no draft head for its model: --draft-head FOLDER)",
-            "combined": " (the server has no draft head for its model: --draft-head FOLDER)",
-        }
-        hint = hints.get(drafter, "")
+        hint = drafter_entry(drafter).hint
+        hint = f" ({hint})" if hint else ""
         raise bad_request(
             f"drafter {drafter!r} is not available on this server (available: {available}){hint}",
             param="speculative.drafter",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from service.api.events import DoneEvent, GenerationPlan, PromptEvent, StepEvent
 from service.api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -40,7 +41,6 @@ from service.api.schemas import (
     Usage,
 )
 from service.api.tools import CallStart, TextDelta, ToolPlan, collect
-from service.api.worker import DoneEvent, GenerationPlan, PromptEvent, StepEvent
 from service.decoding import GenerationStats
 from service.decoding.types import EmittedToken, combined_stats
 

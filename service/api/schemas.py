@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from service.decoding.drafter_registry import DrafterName, describe_drafters
+
 FinishReason = Literal["stop", "length", "tool_calls"]
 MethodName = Literal["vanilla", "sd", "lossy", "csd"]
 ProvenanceName = Literal["accepted", "rescued", "recovered", "bonus", "plain"]
@@ -128,11 +130,7 @@ class SpeculativeOptions(_Request):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
     method: MethodName | None = Field(None, description="vanilla | sd (lossless) | lossy | csd")
-    drafter: Literal["ngram", "head", "combined", "model"] | None = Field(
-        None,
-        description="ngram (prompt lookup), head (the trained draft head), combined (prompt lookup where it "
-        "matches, else the head) or model (a draft model)",
-    )
+    drafter: DrafterName | None = Field(None, description=describe_drafters())
     num_speculative_tokens: int | None = Field(None, ge=0, le=64, description="draft tokens per round")
     tau: float | None = Field(
         None, gt=0, le=1, description="CSD semantic gate: p(draft)/p(target top) >= tau"

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ocm_store.base import StoreStatus
-from service.api.errors import UNAVAILABLE, APIError
+from service.api.errors import UNAVAILABLE, APIError, shutting_down
+from service.api.events import DoneEvent, ErrorEvent, GenerationPlan
 from service.api.head_reload import HeadCollector, HeadReloads, reload_head
 from service.api.metrics import OCMStoreCollector, ServiceMetrics
-from service.api.worker import DoneEvent, EngineWorker, ErrorEvent, GenerationPlan, Job
+from service.api.worker import EngineWorker, Job
 from service.config import Settings
 from service.decoding import DecodingError, Method, SamplingParams, SpeculativeConfig
 from service.decoding.paths import model_display_name
@@ -143,12 +144,9 @@ class ServiceState:
         and [DONE]), so its connection closes cleanly instead of being cancelled mid-write by uvicorn."""
         if self.worker is None:
             return
-        error = APIError(
-            503,
+        error = shutting_down(
             f"the server is shutting down and its shutdown grace ({self.settings.shutdown_grace_s:g}s) ended "
-            "before this generation finished; retry on another replica",
-            type=UNAVAILABLE,
-            code="shutting_down",
+            "before this generation finished; retry on another replica"
         )
         ended = self.worker.end_all(error)
         if ended:
@@ -195,7 +193,7 @@ class ServiceState:
         """The runtime and worker, or a 503 saying why there are none."""
         retry = {"Retry-After": "5"}
         if self.shutting_down:
-            raise APIError(503, "the server is shutting down", type=UNAVAILABLE, code="shutting_down")
+            raise shutting_down()
         if self.load_error is not None:
             raise APIError(
                 503, f"the model failed to load: {self.load_error}", type=UNAVAILABLE, code="load_failed"

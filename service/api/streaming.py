@@ -21,20 +21,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
-from service.api.errors import CLIENT_CLOSED_REQUEST, RATE_LIMIT, SERVER, APIError, sse_error_event
+from service.api.errors import CLIENT_CLOSED_REQUEST, SERVER, APIError, queue_full, sse_error_event
+from service.api.events import DoneEvent, ErrorEvent, Event, GenerationPlan, PromptEvent, StepEvent
 from service.api.responses import ChoiceResult, Formatter, PromptResult, request_stats
 from service.api.state import ServiceState
-from service.api.worker import (
-    DoneEvent,
-    EngineWorker,
-    ErrorEvent,
-    Event,
-    GenerationPlan,
-    Job,
-    PromptEvent,
-    QueueFull,
-    StepEvent,
-)
+from service.api.worker import EngineWorker, Job
+from service.decoding.requests import QueueFull
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -50,15 +42,20 @@ def admit(state: ServiceState, worker: EngineWorker, plan: GenerationPlan, arriv
     try:
         worker.submit(job)
     except QueueFull as full:
-        raise APIError(
-            429,
-            f"the server is busy ({worker.running} running, {worker.waiting} waiting); retry after "
-            f"{full.retry_after_s}s",
-            type=RATE_LIMIT,
-            code="queue_full",
-            headers={"Retry-After": str(full.retry_after_s)},
-        ) from None
+        raise queue_full(full.retry_after_s, full.running, full.waiting) from None
     return job
+
+
+def refuse_if_full(worker: EngineWorker, rows: int) -> None:
+    """A 429 before any work on the prompt (templating, tokenizing, compiling a grammar), when a request of
+    `rows` batch rows would be refused anyway: under load, that work waits for the engine thread's share of
+    the CPU, and a client told to back off should hear it at once."""
+    if rows > worker.core.max_batch_size:  # can never fit: planning answers it with a 400, not a retry
+        return
+    try:
+        worker.check_room(rows)
+    except QueueFull as full:
+        raise queue_full(full.retry_after_s, full.running, full.waiting) from None
 
 
 @contextlib.asynccontextmanager

@@ -57,6 +57,33 @@ def test_queue_bound_gives_429_with_retry_after(busy_server: Server) -> None:
             error = assert_openai_error(refused, 429, code="queue_full")
             assert error["type"] == "rate_limit_error"
             assert int(refused.headers["retry-after"]) >= 1
+            # Refused before any prompt work: a chat request whose templating, tokenizing and JSON-schema
+            # compiling would each take a while (and whose prompt is too long for the model anyway) is told
+            # to back off at once, on every endpoint, while the engine thread is busy generating.
+            heavy = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Summarise this. " + "word " * 20_000}],
+                "max_tokens": 4,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "s",
+                        "schema": {"type": "object", "properties": {"a": {"type": "string"}}},
+                    },
+                },
+            }
+            waits = []
+            for path, body in [("/v1/chat/completions", heavy)] * 8 + [
+                ("/v1/responses", {"model": MODEL, "input": "hi"})
+            ]:
+                started = time.monotonic()
+                refused = http.post(path, json=body)
+                waits.append(time.monotonic() - started)
+                assert_openai_error(refused, 429, code="queue_full")
+            waits.sort()
+            assert waits[len(waits) // 2] < 0.1, (
+                waits
+            )  # the median: one slow scheduling blip is not a regression
         # Hanging up on the running stream lets the waiting request through.
         waiter.join(60)
     assert waiting_result["response"].status_code == 200, waiting_result["response"].text

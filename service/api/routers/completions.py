@@ -19,7 +19,7 @@ from service.api.schemas import (
     CompletionRequest,
     CompletionResponse,
 )
-from service.api.streaming import respond
+from service.api.streaming import refuse_if_full, respond
 from service.api.tools import tool_plan
 
 router = APIRouter(prefix="/v1", tags=["generation"], dependencies=[Authorized])
@@ -53,6 +53,7 @@ async def create_completion(
     body: CompletionRequest, request: Request, state: State, runtime: ServingRuntime, worker: ServingWorker
 ) -> Response:
     arrived = time.monotonic()
+    refuse_if_full(worker, body.n or 1)
     plans = await plan_completion(body, state.settings, runtime)
     formatter = CompletionFormatter(
         runtime.model_id, plans[0], include_usage=body.include_usage, continuous_usage=body.continuous_usage
@@ -73,6 +74,7 @@ async def create_chat_completion(
     worker: ServingWorker,
 ) -> Response:
     arrived = time.monotonic()
+    refuse_if_full(worker, body.n or 1)
     tools = tool_plan(body, state.settings.tool_call_parser)
     plan = await plan_chat(body, state.settings, runtime, tools)
     formatter = ChatFormatter(

@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from service.api.deps import Authorized, ServingRuntime, ServingWorker, State
 from service.api.errors import SERVER, APIError
+from service.api.events import DoneEvent, ErrorEvent, Event, GenerationPlan, StepEvent
 from service.api.openapi import error_responses
 from service.api.plan import plan_chat
 from service.api.responses import ChoiceResult, speculative_stats
@@ -32,9 +33,16 @@ from service.api.responses_api import (
     chat_form,
     renamed,
 )
-from service.api.streaming import SSE_HEADERS, admit, cancel_on_disconnect, collect, next_event
+from service.api.streaming import (
+    SSE_HEADERS,
+    admit,
+    cancel_on_disconnect,
+    collect,
+    next_event,
+    refuse_if_full,
+)
 from service.api.tools import tool_plan
-from service.api.worker import DoneEvent, EngineWorker, ErrorEvent, Event, GenerationPlan, Job, StepEvent
+from service.api.worker import EngineWorker, Job
 from service.decoding import GenerationStats
 
 router = APIRouter(prefix="/v1", tags=["generation"], dependencies=[Authorized])
@@ -68,6 +76,7 @@ async def create_response(
     body: ResponsesRequest, request: Request, state: State, runtime: ServingRuntime, worker: ServingWorker
 ) -> Response:
     arrived = time.monotonic()
+    refuse_if_full(worker, 1)
     store = _store(request)
     history = store.conversation(body.previous_response_id) if body.previous_response_id else []
     form = chat_form(body, history)

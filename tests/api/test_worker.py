@@ -12,9 +12,11 @@ import time
 
 import pytest
 
+from service.api.events import DoneEvent, ErrorEvent, GenerationPlan
 from service.api.metrics import ServiceMetrics
-from service.api.worker import DoneEvent, EngineWorker, ErrorEvent, GenerationPlan, Job, QueueFull
+from service.api.worker import EngineWorker, Job
 from service.decoding import Engine, NgramDrafter, SamplingParams, SpeculativeConfig, run_alone
+from service.decoding.requests import QueueFull
 from service.decoding.text import encode_chat
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -1,0 +1,65 @@
+"""What a request is to the engine bridge and what comes back to it: the plan, and the events a `Job` yields.
+
+`GenerationPlan` is the engine core's `EngineRequest` plus what only the API needs (provenance texts, the
+echo, a probe's exemption from metrics); the events are the output processor's
+(`service/api/output_processor.py`) rendering of the core's outputs: texts, token bytes, provenance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from service.api.errors import APIError
+from service.decoding.requests import EngineRequest
+from service.decoding.types import EmittedToken, GenerationStats
+
+
+@dataclass(frozen=True)
+class GenerationPlan(EngineRequest):
+    """A request turned into what the engine needs; validated before it reaches the queue."""
+
+    return_provenance: bool = False
+    internal: bool = False  # a readiness probe: proves the engine works, counts in no metric
+    echo_text: str | None = None  # completions' echo: the prompt as text
+
+
+@dataclass
+class StepEvent:
+    """One decoding round's output."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str | None
+    tokens: list[EmittedToken] = field(default_factory=list)
+    token_texts: list[tuple[str, str | None]] | None = None  # (text, replaced text), when asked for
+    draft_tokens: int = 0  # draft tokens this round verified, so a client can show live acceptance
+    index: int = 0  # the choice (0 .. n - 1)
+    # with logprobs: the text and the own bytes of every token id the round's logprobs name
+    logprob_texts: dict[int, str] | None = None
+    logprob_bytes: dict[int, bytes] | None = None
+
+
+@dataclass
+class DoneEvent:
+    finish_reason: str
+    text: str
+    stats: GenerationStats
+    index: int = 0
+
+
+@dataclass
+class PromptEvent:
+    """The prompt's own logprobs (echo with logprobs), before any step: per prompt token (logprob, top
+    alternatives), None for the first."""
+
+    tokens: list[int]
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None]
+    texts: dict[int, str]
+
+
+@dataclass
+class ErrorEvent:
+    error: APIError
+
+
+Event = StepEvent | DoneEvent | ErrorEvent | PromptEvent
