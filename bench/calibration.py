@@ -10,14 +10,13 @@ from collections.abc import Callable, Mapping, Sequence
 from ocm_store.base import Namespace, OCMStore
 from ocm_store.memory import InMemoryStore
 from service.calibration import CalibrationResult, calibrate
-from service.decoding import Drafter, DraftPolicy, Engine, LoadedModel, vocabulary_hash
+from service.decoding import Drafter, DraftPolicy, Engine, LoadedModel
+from service.runtime import ocm_namespaces
 
 
 def namespaces(target: LoadedModel, drafters: Mapping[str, Drafter]) -> dict[str, Namespace]:
     """drafter name -> the model pair's namespace, keyed as the service keys it."""
-    vocab = vocabulary_hash(target.tokenizer)
-    target_id = f"{target.name}@{target.revision}"
-    return {name: Namespace(target_id, d.identity, vocab) for name, d in drafters.items()}
+    return ocm_namespaces(target, drafters)
 
 
 def engine_with_store(

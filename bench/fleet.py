@@ -72,8 +72,8 @@ def run(
     lambda_: float = 6,
     progress=None,
 ) -> list[SetupResult]:
-    from ocm_store import InMemoryStore, Namespace
-    from ocm_store.redis_process import RedisProcess
+    from bench.redis_process import RedisProcess
+    from ocm_store import InMemoryStore
     from ocm_store.redis_store import RedisStore
     from service.decoding import (
         Engine,
@@ -81,13 +81,13 @@ def run(
         Method,
         SamplingParams,
         SpeculativeConfig,
-        vocabulary_hash,
     )
     from service.decoding.draft_head import EMBEDDED_HEAD_DIR
     from service.decoding.engine import run_to_end
+    from service.runtime import ocm_namespaces
 
     drafter = HeadDrafter(target, EMBEDDED_HEAD_DIR)
-    ns = Namespace(f"{target.name}@{target.revision}", drafter.identity, vocabulary_hash(target.tokenizer))
+    ns = ocm_namespaces(target, {"head": drafter})["head"]
     spec = SpeculativeConfig(method=Method.CSD, lambda_=lambda_)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     setups = [(1, False)] + [(r, shared) for r in replica_counts if r > 1 for shared in (True, False)]

@@ -31,9 +31,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from bench.redis_process import RedisProcess  # noqa: E402
 from ocm_store import InMemoryStore, Namespace  # noqa: E402
 from ocm_store.redaction import mask_url  # noqa: E402
-from ocm_store.redis_process import RedisProcess  # noqa: E402
 from ocm_store.redis_store import RedisStore  # noqa: E402
 from service.decoding import (  # noqa: E402
     Engine,
@@ -68,9 +68,7 @@ def run(args: argparse.Namespace, url: str | None) -> dict:
         torch.set_num_threads(args.torch_threads)
     target = load_model(args.model)
     drafter = NgramDrafter()
-    namespace = Namespace(
-        f"{target.name}@{target.revision}", f"{drafter.identity}+bench", vocabulary_hash(target.tokenizer)
-    )
+    namespace = Namespace(target.identity, f"{drafter.identity}+bench", vocabulary_hash(target.tokenizer))
     if url is None:
         store = InMemoryStore()
     else:
@@ -128,7 +126,7 @@ def run(args: argparse.Namespace, url: str | None) -> dict:
     store.close()
     return {
         "backend": store.backend,
-        "model": f"{target.name}@{target.revision}",
+        "model": target.identity,
         "torch_threads": torch.get_num_threads(),
         "prompts": len(inputs),
         "passes": args.passes,

@@ -218,8 +218,8 @@ def run_benchmark(
         "argv": argv,
         "machine": machine,
         "machine_line": one_line(machine),
-        "target": f"{target.name}@{target.revision}",
-        "draft": f"{draft.name}@{draft.revision}" if draft is not None else None,
+        "target": target.identity,
+        "draft": draft.identity if draft is not None else None,
     }
     report["plots"] = [p.name for p in plots.write_plots(report, out_dir)]
     reports.write_json(report, out_dir / "report.json")

@@ -41,7 +41,7 @@ def cost_key(target: LoadedModel, max_tokens: int, max_rows: int, pack_cpu_weigh
     device = target.device
     return {
         "version": MEASUREMENT_VERSION,
-        "model": f"{target.name}@{target.revision}",
+        "model": target.identity,
         "dtype": str(target.model.dtype),
         "device": device.type,
         "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from service.config import Settings
 from service.cost_cache import cost_file, cost_key, load_costs, save_costs
 from service.decoding import (
     DecodingError,
+    Drafter,
     DraftPolicy,
     Engine,
     HeadDrafter,
@@ -91,9 +92,7 @@ class Runtime:
                 refresh_interval_s=settings.ocm_refresh_interval_s,
                 spill_dir=settings.ocm_spill_dir,
             )
-        vocab = vocabulary_hash(target.tokenizer)
-        target_id = f"{target.name}@{target.revision}"
-        namespaces = {name: Namespace(target_id, d.identity, vocab) for name, d in drafters.items()}
+        namespaces = ocm_namespaces(target, drafters)
         memories = {name: store.memory(ns) for name, ns in namespaces.items()}
         if settings.max_batch_size > 1 and not all(
             supports_batching(m.model) for m in (target, draft) if m is not None
@@ -187,6 +186,13 @@ def _draft_policy(settings: Settings, target: LoadedModel) -> tuple[DraftPolicy,
         return False
 
     return policy, refine
+
+
+def ocm_namespaces(target: LoadedModel, drafters: Mapping[str, Drafter]) -> dict[str, Namespace]:
+    """Drafter name -> the OCM namespace of its (target, drafter) pair: the one place it is keyed, so the
+    service, a reload and the benchmarks pool the same statistics."""
+    vocab = vocabulary_hash(target.tokenizer)
+    return {name: Namespace(target.identity, d.identity, vocab) for name, d in drafters.items()}
 
 
 def _load_head(settings: Settings, target: LoadedModel) -> HeadDrafter | None:

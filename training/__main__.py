@@ -4,7 +4,10 @@
    token ids and texts only, one shard at a time: `--budget-minutes` spreads generation over several runs
 2. features: teacher-forced target hidden states per shard (training.features)   work/features/NNNN.safetensors
 3. train the draft head (training.train_head)                                    work/head/
-4. copy the head into the package, with its model card                           --install-to
+4. with --install: copy the head into the package, with its model card          --install-to
+
+Installing is opt-in: a head trained on a small corpus can be worse than the shipped one, so compare first
+(`python -m training.evaluate --head work/head --head service/decoding/draft_heads/...`), then install.
 
 `--from-traffic DIR` fine-tunes the shipped head on recorded traffic instead (training.traffic).
 """
@@ -67,7 +70,13 @@ def main(argv: list[str] | None = None) -> None:
         "--draft-vocab", type=int, default=8192, help="frequency-ranked draft vocabulary size"
     )
     parser.add_argument(
-        "--install-to", type=Path, default=None, help="copy the trained head here (default: the package's)"
+        "--install", action="store_true", help="copy the trained head over the shipped one (or --install-to)"
+    )
+    parser.add_argument(
+        "--install-to",
+        type=Path,
+        default=None,
+        help="with --install: copy the head here (default: the package's)",
     )
     parser.add_argument("--stop-after", choices=["corpus", "features", "train"], default=None)
     traffic.add_arguments(parser)  # --from-traffic DIR, --head, --holdout, --out
@@ -92,7 +101,13 @@ def main(argv: list[str] | None = None) -> None:
 
     # Shard by shard: write the corpus shard (the fast dtype), then its features (the serving dtype), so a
     # run stopped by its budget or by hand leaves every finished shard usable.
-    writer = load_model(args.model, dtype=args.generate_dtype)
+    loaded: dict[str, object] = {}
+
+    def writer():  # only when a shard is still to be written: a resumed run may need none
+        if "writer" not in loaded:
+            loaded["writer"] = load_model(args.model, dtype=args.generate_dtype)
+        return loaded["writer"]
+
     target = load_model(args.model)
     banned = bench_ngrams()
     started = time.perf_counter()
@@ -112,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             shard_features(target, read_shard(built[shard]), out)
             timings["features_s"] = timings.get("features_s", 0.0) + time.perf_counter() - t0
         feature_files.append(out)
-    del writer
+    loaded.clear()
     if args.stop_after in ("corpus", "features"):
         return _save_timings(work, timings)
 
@@ -131,10 +146,15 @@ def main(argv: list[str] | None = None) -> None:
         )
         train(target, feature_files, head_dir, config)
     _save_timings(work, timings)
-    if args.stop_after == "train":
-        return
     from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 
+    if args.stop_after == "train" or not args.install:
+        print(
+            f"trained {head_dir} (model card: {head_dir / 'README.md'}); compare it with the shipped head:\n"
+            f"  python -m training.evaluate --head {head_dir} --head {EMBEDDED_HEAD_DIR}\n"
+            "then install it with the same command and --install"
+        )
+        return
     destination = args.install_to or EMBEDDED_HEAD_DIR
     destination.mkdir(parents=True, exist_ok=True)
     for name in ("model.safetensors", "config.json", "README.md", "training.json"):

@@ -32,7 +32,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -416,7 +416,7 @@ def write_shard(path: Path, records: list[dict]) -> None:
 
 
 def build_corpus(
-    target: LoadedModel,
+    target: LoadedModel | Callable[[], LoadedModel],
     folder: Path,
     shards: int,
     config: CorpusConfig,
@@ -424,7 +424,8 @@ def build_corpus(
     budget_seconds: float | None = None,
 ) -> list[Path]:
     """Shards 0..shards-1 in `folder`, skipping those already there (resumable across runs). Stops starting
-    new shards after `budget_seconds`."""
+    new shards after `budget_seconds`. `target` may be a loader, called only when a shard must be written
+    (a resumed run whose shards are all there never loads the writer)."""
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     done: list[Path] = []
@@ -438,6 +439,8 @@ def build_corpus(
             break
         passages = _passages(done[-4:])
         t0 = time.perf_counter()
+        if callable(target):
+            target = target()
         records = build_shard(target, shard, config, banned, passages)
         write_shard(path, records)
         done.append(path)

@@ -20,12 +20,11 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ocm_store.base import Namespace
 from service.api.errors import APIError
 from service.api.worker import EngineWorker
-from service.decoding import DecodingError, HeadDrafter, vocabulary_hash
+from service.decoding import DecodingError, HeadDrafter
 from service.decoding.draft_head import EMBEDDED_HEAD_DIR
-from service.runtime import Runtime
+from service.runtime import Runtime, ocm_namespaces
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +55,8 @@ def _swap(runtime: Runtime, new: HeadDrafter) -> str:
     running = runtime.engine.drafters["head"]
     assert isinstance(running, HeadDrafter)
     running.take_weights(new)
-    target_id = f"{runtime.target.name}@{runtime.target.revision}"
-    vocab = vocabulary_hash(runtime.target.tokenizer)
-    for name in HEAD_DRAFTERS:
-        drafter = runtime.engine.drafters.get(name)
-        if drafter is None:
-            continue
-        namespace = Namespace(target_id, drafter.identity, vocab)
+    drafters = {n: runtime.engine.drafters[n] for n in HEAD_DRAFTERS if n in runtime.engine.drafters}
+    for name, namespace in ocm_namespaces(runtime.target, drafters).items():
         runtime.namespaces[name] = namespace
         runtime.engine.memories[name] = runtime.store.memory(namespace)
     return running.identity

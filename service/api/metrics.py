@@ -235,7 +235,7 @@ class ServiceMetrics:
         )
         self.tokens_per_forward = histogram(
             "csd_tokens_per_target_forward",
-            "Tokens one target forward produced: kept draft tokens + 1 (recovered, bonus or plain).",
+            "Tokens one target forward decided: the round's emitted tokens and the end-of-sequence it ended on.",
             (float(i) for i in range(1, num_speculative_tokens + 2)),
         )
         self.batch_rows = Histogram(
@@ -338,8 +338,9 @@ class ServiceMetrics:
         """One target forward's worth of speculation statistics."""
         labels = (*self.base_labels, method, drafter)
         self.target_forwards.labels(*labels).inc()
-        # Every forward yields its kept draft tokens plus exactly one target token (recovered, bonus or plain).
-        self.tokens_per_forward.labels(*labels).observe(r.num_kept + 1)
+        # what the round decided (its emitted tokens and the end-of-sequence it ended on): a round cut by a
+        # stop string counts what it emitted, as GenerationStats.tokens_per_forward does
+        self.tokens_per_forward.labels(*labels).observe(r.tokens_decided)
         if r.num_draft_tokens:
             self.num_drafts.labels(*labels).inc()
             self.num_draft_tokens.labels(*labels).inc(r.num_draft_tokens)

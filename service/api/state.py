@@ -124,7 +124,7 @@ class ServiceState:
             max_batched_tokens=settings.max_batched_tokens,
             idle_work=runtime.refine_costs,
             record=self.recorder.record if self.recorder is not None else None,
-            model_identity=f"{runtime.target.name}@{runtime.target.revision}",
+            model_identity=runtime.target.identity,
         )
         self.worker.start()
         self._reload_on_sighup()

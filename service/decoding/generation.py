@@ -299,4 +299,6 @@ class Generation:
         self.stats.completion_tokens = len(self.tokens)
         # statistics count what was emitted, so they equal the provenance of the tokens (GenerationStats)
         cut = len(emitted) < len(verdict.tokens)
-        return GenerationStep(emitted, text, verdict.round.emitted(emitted, cut), self.finish_reason)
+        ended_on_eos = cut and verdict.tokens[len(emitted)].token_id in self.eos_ids
+        round_stats = verdict.round.emitted(emitted, cut, ended_on_eos)
+        return GenerationStep(emitted, text, round_stats, self.finish_reason)

@@ -106,6 +106,11 @@ class LoadedModel:
     revision: str  # content identity: a hash of the weights' source, or the hub commit
 
     @property
+    def identity(self) -> str:
+        """`name@revision`: what OCM namespaces, cost caches, traffic records and reports call this model."""
+        return f"{self.name}@{self.revision}"
+
+    @property
     def device(self) -> torch.device:
         return self.model.device
 

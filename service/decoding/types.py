@@ -186,12 +186,15 @@ class RoundStats:
     # per draft position: True if that draft token was accepted (equal to the target's choice; no rescue)
     accepted_per_position: list[bool] = field(default_factory=list)
     ocm_seconds: float = 0.0  # time spent in the correction memory (record + read)
+    # tokens the round decided: those it emitted, plus the end-of-sequence token it ended on (set by
+    # `emitted`); summed over rounds and divided by forwards it is GenerationStats.tokens_per_forward
+    tokens_decided: int = 0
 
     @property
     def num_kept(self) -> int:
         return self.num_accepted + self.num_rescued
 
-    def emitted(self, tokens: Sequence[EmittedToken], cut: bool) -> RoundStats:
+    def emitted(self, tokens: Sequence[EmittedToken], cut: bool, ended_on_eos: bool = False) -> RoundStats:
         """This round's statistics counting only `tokens`, the prefix of its verified tokens that was
         emitted. `cut`: an EOS, a stop string or the token budget ended the round before its last verified
         token; then only the draft positions it emitted count as drafted (what came after was verified
@@ -210,6 +213,7 @@ class RoundStats:
                 f and i < kept for i, f in enumerate(self.accepted_per_position[:drafted])
             ],
             ocm_seconds=self.ocm_seconds,
+            tokens_decided=len(tokens) + int(ended_on_eos),
         )
 
 

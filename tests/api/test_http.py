@@ -85,6 +85,34 @@ def test_chat_stream_usage_chunk_and_speculative_statistics(api_server: Server) 
         )
 
 
+def test_the_tokens_per_forward_metric_agrees_with_the_response_when_a_stop_string_cuts(
+    api_server: Server,
+) -> None:
+    """One definition: a round cut by a stop string counts the tokens it emitted, in the response and in
+    csd_tokens_per_target_forward alike."""
+    labels = {"method": "sd", "drafter": "combined"}
+    name = "csd_tokens_per_target_forward"
+    before = api_server.metrics()
+    # the colours repeat, so prompt lookup drafts through " blue" and the stop string cuts a kept draft token
+    prompt = "Repeat: red, green, blue, red, green, blue, red, green, blue, red, green, blue, red,"
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 40,
+        "stop": [" blue"],
+        "speculative": {"method": "sd"},
+    }
+    with api_server.client() as http:
+        data = http.post("/v1/completions", json=body).json()
+    after = api_server.metrics()
+    assert data["choices"][0]["finish_reason"] == "stop" and "blue" not in data["choices"][0]["text"]
+    spec = data["speculative"]
+    total = after.value(f"{name}_sum", **labels) - before.value(f"{name}_sum", **labels)
+    rounds = after.value(f"{name}_count", **labels) - before.value(f"{name}_count", **labels)
+    assert rounds == spec["target_forwards"]
+    assert total / rounds == pytest.approx(spec["tokens_per_forward"], abs=1e-3)
+
+
 def test_vanilla_request_reports_no_speculation(api_server: Server) -> None:
     body = {"model": "embedded", "prompt": COUNTING, "max_tokens": 6, "speculative": {"method": "vanilla"}}
     with api_server.client() as http:

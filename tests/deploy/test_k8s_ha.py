@@ -11,7 +11,7 @@ import pytest
 import redis
 from kubernetes_validate.utils import latest_version
 
-from ocm_store.redis_process import RedisProcess, free_port
+from bench.redis_process import RedisProcess, free_port
 from ocm_store.urls import parse_redis_url
 from tests.deploy.kustomize_lite import render
 from tests.deploy.support import K8S, container, container_environment, find, load_yaml_documents, pod_spec

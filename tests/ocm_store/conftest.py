@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from ocm_store.redis_process import RedisProcess
+from bench.redis_process import RedisProcess
 
 
 @pytest.fixture

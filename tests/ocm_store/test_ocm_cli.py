@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ocm_store.redis_process import RedisProcess
+from bench.redis_process import RedisProcess
 from service.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from bench.redis_process import ClusterSetup, SentinelSetup
 from ocm_store import Namespace, keys
-from ocm_store.redis_process import ClusterSetup, SentinelSetup
 from ocm_store.redis_store import RedisStore
 from ocm_store.urls import parse_redis_url
 from tests.ocm_store.helpers import wait_until
@@ -210,7 +210,7 @@ def test_a_cluster_pools_restores_and_resets_with_one_slot_per_script(tmp_path):
 def test_csd_ocm_export_and_import_move_a_memory_from_one_redis_to_a_cluster(tmp_path, capsys, monkeypatch):
     import json
 
-    from ocm_store.redis_process import RedisProcess
+    from bench.redis_process import RedisProcess
     from service.cli import main
 
     monkeypatch.delenv("CSD_REDIS_URL", raising=False)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import redis
 
+from bench.redis_process import RedisProcess
 from ocm_store import Namespace
-from ocm_store.redis_process import RedisProcess
 from ocm_store.redis_store import RedisStore
 from service.decoding import (
     Engine,

@@ -11,8 +11,8 @@ from collections import Counter
 
 import redis
 
+from bench.redis_process import RedisProcess
 from ocm_store import Namespace
-from ocm_store.redis_process import RedisProcess
 from ocm_store.redis_store import RedisStore
 from tests.ocm_store.helpers import in_redis, wait_until
 

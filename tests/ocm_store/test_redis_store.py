@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench.redis_process import RedisProcess
 from ocm_store import Namespace, StoreUnavailableError, keys
-from ocm_store.redis_process import RedisProcess
 from ocm_store.redis_store import RedisStore
 from tests.ocm_store import helpers
 from tests.ocm_store.helpers import wait_until

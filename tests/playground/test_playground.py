@@ -187,7 +187,7 @@ def test_run_streams_coloured_tokens_and_figures(page: Page, server: Server) -> 
     assert float(page.figure("tps")) > 0
     assert 0 < _percent(page.figure("acceptance")) <= 1
     assert 0 <= _percent(page.figure("rescue")) <= _percent(page.figure("acceptance"))
-    assert float(page.figure("mal")) >= 1
+    assert float(page.figure("tpf")) >= 1
     for title in page.page.locator(".stream .tok.rescued").evaluate_all("s => s.map(x => x.title)"):
         assert title.startswith("rescued: the target would have said"), title
     assert page.errors == []
@@ -212,7 +212,7 @@ def test_stop_stops_the_generation_on_the_server(page: Page, server: Server) -> 
     page.page.wait_for_function("document.querySelectorAll('.pane .stream .tok').length >= 4")
     # The figures move while the tokens stream, before any final statistics.
     page.page.wait_for_function("Number(document.querySelector('[data-fig=tokens]').textContent) >= 4")
-    assert float(page.figure("tps")) > 0 and float(page.figure("mal")) >= 1
+    assert float(page.figure("tps")) > 0 and float(page.figure("tpf")) >= 1
     assert page.page.is_enabled("#stop")  # still running
     page.page.click("#stop")
     assert page.wait_finished() == "Stopped."

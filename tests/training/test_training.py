@@ -91,6 +91,12 @@ def test_the_corpus_resumes_shard_by_shard(tiny, tmp_path):
     built = build_corpus(tiny, tmp_path, 2, CorpusConfig(), set(), budget_seconds=-1)
     assert built == [shard_path(tmp_path, 0)] and read_shard(built[0]) == records
 
+    def no_writer():
+        raise AssertionError("the writer was loaded although every shard was there")
+
+    # a resumed run whose shards all exist never loads the model that writes them
+    assert build_corpus(no_writer, tmp_path, 1, CorpusConfig(), set()) == [shard_path(tmp_path, 0)]
+
 
 @pytest.fixture(scope="module")
 def words():

@@ -8,9 +8,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.api.deps import Authorized, ServingRuntime, ServingWorker, State
+from service.api.formatters import ChatFormatter, CompletionFormatter
 from service.api.openapi import error_responses
 from service.api.plan import plan_chat, plan_completion
-from service.api.responses import ChatFormatter, CompletionFormatter
 from service.api.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,

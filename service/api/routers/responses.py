@@ -19,9 +19,9 @@ from starlette.responses import Response
 from service.api.deps import Authorized, ServingRuntime, ServingWorker, State
 from service.api.errors import SERVER, APIError
 from service.api.events import DoneEvent, ErrorEvent, Event, GenerationPlan, StepEvent
+from service.api.formatters import ChoiceResult, speculative_stats
 from service.api.openapi import error_responses
 from service.api.plan import plan_chat
-from service.api.responses import ChoiceResult, speculative_stats
 from service.api.responses_api import (
     ChatForm,
     ResponseBuilder,

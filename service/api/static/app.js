@@ -133,12 +133,12 @@ class Run {
       const speculates = s.draft_tokens > 0;
       fig("acceptance", speculates ? percent(s.acceptance_rate) : "—");
       fig("rescue", speculates ? percent(s.rescue_rate) : "—");
-      fig("mal", fmt(s.tokens_per_forward, 2));
+      fig("tpf", fmt(s.tokens_per_forward, 2));
     } else {
       const kept = this.counts.accepted + this.counts.rescued;
       fig("acceptance", this.draftTokens ? percent(kept / this.draftTokens) : "—");
       fig("rescue", this.draftTokens ? percent(this.counts.rescued / this.draftTokens) : "—");
-      fig("mal", this.rounds ? fmt(this.tokens / this.rounds, 2) : "—");
+      fig("tpf", this.rounds ? fmt(this.tokens / this.rounds, 2) : "—");
     }
   }
 

@@ -24,7 +24,7 @@ class ModelDrafter:
 
     @property
     def identity(self) -> str:
-        return f"{self.draft.name}@{self.draft.revision}"
+        return self.draft.identity
 
     def rows(self) -> ModelDraftRows:
         return ModelDraftRows(self.draft)
