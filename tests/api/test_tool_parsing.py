@@ -1,4 +1,4 @@
-"""service/api/tools.py on hand-written text, without a model: the hermes parser (whole and streamed),
+"""service/api/tools/ on hand-written text, without a model: the hermes parser (whole and streamed),
 the "required" and named-function streams, the constraint schemas, the request's tool fields (`tool_plan`) and
 the default rendering."""
 
