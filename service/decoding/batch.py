@@ -245,17 +245,21 @@ class Batch:
         seconds = time.perf_counter() - started
         results: list[tuple[Generation, GenerationStep]] = []
         for row, (generation, draft, fed) in enumerate(zip(rows, drafts, feeds, strict=True)):
-            # 4. keep: the row's own verification rule keeps a prefix of its draft and emits
             try:
-                step, kept = generation.absorb(draft, logits[row, : len(fed)].float(), seconds)
+                # 4. verify: the row's own rule on its own logits keeps a prefix of its draft (CSD rescues here)
+                verdict = generation.verify(draft, logits[row, : len(fed)].float())
+                # 5. emit: EOS, stop strings and the budget may cut what it emits; the round is counted
+                step = generation.emit(draft, verdict, seconds)
             except Exception as exc:  # one sequence's failure is its own: the batch goes on without it
                 log.exception("a sequence failed in its verification; dropping it from the batch")
                 self.failed.append((generation, exc))
                 continue
-            # 5. roll back: the cache keeps the committed tokens but the last, and drops the rejected draft;
-            # the hidden state that chose the round's last token is where the next draft starts
-            self.kv.keep(row, self.kv.length(row) - len(fed) + kept)
-            generation.target_hidden = hidden[row, kept - 1].clone()
+            # 6. roll back: of the fed positions the cache keeps the last committed token's and the kept
+            # draft tokens', and drops the rejected rest; the hidden state that chose the round's last token
+            # is where the next draft starts
+            cached = 1 + verdict.round.num_kept
+            self.kv.keep(row, self.kv.length(row) - len(fed) + cached)
+            generation.target_hidden = hidden[row, cached - 1].clone()
             results.append((generation, step))
         self.kv.settle()
         finished = [g for g in self.running if g.finish_reason is not None]

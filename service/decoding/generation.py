@@ -4,8 +4,9 @@ A `Generation` is decoded by a `service.decoding.batch.Batch`, which owns the ta
 the drafters' batched state, and runs one round for all its sequences at once (the round is read top to
 bottom in `Batch._round`). Per round a generation:
 - says how many draft tokens it may verify (`draft_budget`: its token budget and context room);
-- verifies the round's logits with its method's rule and emits (`absorb`): kept draft tokens, then one
-  recovered or bonus token, through EOS, the token budget and stop strings.
+- verifies the round's logits with its method's rule (`verify`): the draft tokens it keeps, then one
+  recovered or bonus token;
+- emits them (`emit`) through EOS, the token budget and stop strings, and counts the round.
 
 Before the forward, a constrained sequence (structured output) checks its draft against its grammar
 (`constrain`: cut at the first forbidden token, tokens the grammar forces drafted for free). Verification
@@ -206,26 +207,31 @@ class Generation:
         """What the round's forward feeds for this sequence: [last committed token, *draft]."""
         return [self.committed[-1], *draft.tokens]
 
-    def absorb(self, draft: Draft, logits: torch.Tensor, seconds: float) -> tuple[GenerationStep, int]:
-        """Verify the round's logits ([1 + len(draft), V], float32) and emit. Returns the step and how many
-        of the fed tokens the cache keeps (the last committed one plus the kept draft tokens)."""
+    def verify(self, draft: Draft, logits: torch.Tensor) -> Verdict:
+        """The method's rule on the round's logits ([1 + len(draft), V], float32, after this sequence's logit
+        processing): which draft tokens it keeps (accepted or rescued) and the target's token after them."""
         if self.grammar is not None or self.processing.active:
             logits = self.processing.apply(logits, draft.tokens, len(self.tokens), self._allowed)
         verdict = self._verify(draft.tokens, draft.probs, logits)
+        if self.sampling.logprobs is not None:
+            verdict.tokens = self._with_logprobs(verdict.tokens, logits)
+        return verdict
+
+    def emit(self, draft: Draft, verdict: Verdict, seconds: float) -> GenerationStep:
+        """Emit what `verify` kept (EOS, stop strings and the token budget may cut it) and count the round:
+        the drafter's acceptance for the draft policy, the statistics of what was emitted."""
         if draft.tokens:
             self.policy.observe(self.drafter.name, draft.key, len(draft.tokens), verdict.round.num_kept)
             self.acceptance.observe(len(draft.tokens), verdict.round.num_kept)
             if draft.key == FORCED_KEY:
                 self.stats.forced_tokens += len(draft.tokens)
-        if self.sampling.logprobs is not None:
-            verdict.tokens = self._with_logprobs(verdict.tokens, logits)
         step = self._emit(verdict)
         self.stats.add_round(step.round)
         self.stats.num_rejections += verdict.round.num_recovered  # what verification saw, emitted or not
         self.stats.decode_seconds += seconds
         if self.grammar is not None:
             self.stats.grammar_seconds = self.grammar.seconds
-        return step, 1 + verdict.round.num_kept
+        return step
 
     def _with_logprobs(self, tokens: list[EmittedToken], logits: torch.Tensor) -> list[EmittedToken]:
         """Token j of a round was chosen at row j: its logprob there, after processing and temperature
