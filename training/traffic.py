@@ -90,7 +90,7 @@ def main(args: argparse.Namespace) -> dict:
 
 def select_records(records: list[dict], target: LoadedModel) -> tuple[list[dict], dict[str, int]]:
     """The records fine-tuning can use: this target's, long enough, each (prompt, answer) once."""
-    identity = f"{target.name}@{target.revision}"
+    identity = target.identity
     kept, seen = [], set()
     skipped = {"other_model": 0, "short": 0, "repeat": 0}
     for record in records:
