@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from training.traffic import MIN_ANSWER_TOKENS, select_records, split_by_request
 
-TARGET = SimpleNamespace(name="SmolLM2-135M-Instruct", revision="abc")
+TARGET = SimpleNamespace(name="SmolLM2-135M-Instruct", revision="abc", identity="SmolLM2-135M-Instruct@abc")
 
 
 def _record(prompt: list[int], answer: list[int], model: str = "SmolLM2-135M-Instruct@abc") -> dict:
