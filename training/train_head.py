@@ -397,6 +397,17 @@ def model_card(report: dict, config: DraftHeadConfig) -> str:
         for k, v in RecurrentDraftHead(config, torch.zeros(config.draft_vocab_size)).state_dict().items()
         if k != "draft_vocab"
     )
+    init = report["config"].get("init_from")
+    start = (
+        f"- Started from the head in `{init}` (its weights and draft vocabulary), fine-tuned on the data below.\n"
+        if init
+        else ""
+    )
+    command = (
+        "python -m training"
+        + (f" --init-from {init} --lr {report['config']['lr']} --epochs {report['config']['epochs']:g}" if init else "")
+        + (" --fuse-layers" if config.feature_layers else "")
+    )
     features = (
         f"the target's final hidden state fused with decoder layers {list(config.feature_layers)} (EAGLE-3)"
         if config.feature_layers
@@ -409,7 +420,7 @@ A drafter for speculative decoding with SmolLM2-135M-Instruct (the csd-serve emb
 draft vocabulary). {params / 1e6:.1f} M parameters of its own; the token embeddings and LM-head rows are the
 target's and are not stored here.
 
-- Data: self-distillation on a corpus the target wrote itself (`training/magpie.py`, Magpie): its own sampled
+{start}- Data: self-distillation on a corpus the target wrote itself (`training/magpie.py`, Magpie): its own sampled
   user turns (open, under operator system prompts, multi-turn, grounded on passages, tool-style) and its
   greedy answers. {report["data"]["answers"]} answers, {report["data"]["positions"]} positions. No third-party
   data; no user turn shares an 8-word sequence with any `bench/` prompt. Licence: Apache-2.0 (the target model,
@@ -427,5 +438,5 @@ target's and are not stored here.
   {held["served_tokens_per_forward"]} tokens per target forward, {100 * held["served_acceptance"]:.1f} % of
   {held["served_draft_length"]} drafted tokens per round accepted. The benchmark measures the same on prompts
   the corpus never saw (docs/drafters.md).
-- Reproduce: `python -m training` (docs/drafters.md).
+- Reproduce: `{command} --install` (docs/drafters.md).
 """
