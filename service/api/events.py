@@ -1,4 +1,5 @@
-"""What a request is to the engine bridge and what comes back to it: the plan, and the events a `Job` yields.
+"""What a request is to the engine bridge and what comes back to it: the plan, the `Job` a handler waits on,
+and the events it yields.
 
 `GenerationPlan` is the engine core's `EngineRequest` plus what only the API needs (provenance texts, the
 echo, a probe's exemption from metrics); the events are the output processor's
@@ -7,9 +8,13 @@ echo, a probe's exemption from metrics); the events are the output processor's
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
+import time
 from dataclasses import dataclass, field
 
-from service.api.errors import APIError
+from service.api.errors import APIError, timed_out
 from service.decoding.requests import EngineRequest
 from service.decoding.types import EmittedToken, GenerationStats
 
@@ -63,3 +68,48 @@ class ErrorEvent:
 
 
 Event = StepEvent | DoneEvent | ErrorEvent | PromptEvent
+
+
+class Job:
+    """One submitted request. Events arrive on `events` (an asyncio queue of the submitting loop)."""
+
+    def __init__(
+        self,
+        plan: GenerationPlan,
+        loop: asyncio.AbstractEventLoop,
+        deadline: float,
+        arrived: float | None = None,
+    ) -> None:
+        self.plan = plan
+        self.loop = loop
+        self.deadline = deadline  # time.monotonic() by which the job must be done
+        self.arrived = arrived if arrived is not None else time.monotonic()  # when the request came in
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.request_id = ""  # the engine core's id, given by submit
+        self._cancelled = threading.Event()
+        self.cancel_reason = ""
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self, reason: str) -> bool:
+        """Mark it cancelled; False when it already was."""
+        if self._cancelled.is_set():
+            return False
+        self.cancel_reason = reason
+        self._cancelled.set()
+        return True
+
+    def deliver(self, event: Event) -> None:
+        # RuntimeError: the loop is closed, nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    async def next_event(self) -> Event:
+        """The next event; raises APIError(504) at the deadline."""
+        remaining = self.deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(self.events.get(), timeout=max(remaining, 0.001))
+        except asyncio.TimeoutError:
+            raise timed_out() from None

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from ocm_store.base import StoreStatus
 from service.api.errors import UNAVAILABLE, APIError, shutting_down
-from service.api.events import DoneEvent, ErrorEvent, GenerationPlan
+from service.api.events import DoneEvent, ErrorEvent, GenerationPlan, Job
 from service.api.head_reload import HeadCollector, HeadReloads, reload_head
 from service.api.metrics import OCMStoreCollector, ServiceMetrics
-from service.api.worker import EngineWorker, Job
+from service.api.worker import EngineWorker
 from service.config import Settings
 from service.decoding import DecodingError, Method, SamplingParams, SpeculativeConfig
 from service.decoding.paths import model_display_name

@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
 from service.api.errors import CLIENT_CLOSED_REQUEST, SERVER, APIError, queue_full, sse_error_event
-from service.api.events import DoneEvent, ErrorEvent, Event, GenerationPlan, PromptEvent, StepEvent
+from service.api.events import DoneEvent, ErrorEvent, Event, GenerationPlan, Job, PromptEvent, StepEvent
 from service.api.formatters import ChoiceResult, Formatter, PromptResult, request_stats
 from service.api.state import ServiceState
-from service.api.worker import EngineWorker, Job
+from service.api.worker import EngineWorker
 from service.decoding.requests import QueueFull
 
 DONE = b"data: [DONE]\n\n"

@@ -9,17 +9,14 @@ waits for it (`loop.call_soon_threadsafe`). Nothing here runs torch on the event
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable
 
-from service.api.errors import APIError, engine_failure, from_engine, shutting_down, timed_out
-from service.api.events import ErrorEvent, Event, GenerationPlan
+from service.api.errors import APIError, engine_failure, from_engine, shutting_down
+from service.api.events import ErrorEvent, GenerationPlan, Job
 from service.api.metrics import ServiceMetrics
 from service.api.output_processor import OutputProcessor
 from service.api.stat_logger import StatLogger
@@ -29,51 +26,6 @@ from service.decoding.requests import EngineClosed, Failed, Finished, Output, Pr
 from service.traffic import traffic_record
 
 log = logging.getLogger(__name__)
-
-
-class Job:
-    """One submitted request. Events arrive on `events` (an asyncio queue of the submitting loop)."""
-
-    def __init__(
-        self,
-        plan: GenerationPlan,
-        loop: asyncio.AbstractEventLoop,
-        deadline: float,
-        arrived: float | None = None,
-    ) -> None:
-        self.plan = plan
-        self.loop = loop
-        self.deadline = deadline  # time.monotonic() by which the job must be done
-        self.arrived = arrived if arrived is not None else time.monotonic()  # when the request came in
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.request_id = ""  # the engine core's id, given by submit
-        self._cancelled = threading.Event()
-        self.cancel_reason = ""
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self, reason: str) -> bool:
-        """Mark it cancelled; False when it already was."""
-        if self._cancelled.is_set():
-            return False
-        self.cancel_reason = reason
-        self._cancelled.set()
-        return True
-
-    def deliver(self, event: Event) -> None:
-        # RuntimeError: the loop is closed, nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-    async def next_event(self) -> Event:
-        """The next event; raises APIError(504) at the deadline."""
-        remaining = self.deadline - time.monotonic()
-        try:
-            return await asyncio.wait_for(self.events.get(), timeout=max(remaining, 0.001))
-        except asyncio.TimeoutError:
-            raise timed_out() from None
 
 
 class EngineWorker:

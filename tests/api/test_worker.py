@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from service.api.events import DoneEvent, ErrorEvent, GenerationPlan
+from service.api.events import DoneEvent, ErrorEvent, GenerationPlan, Job
 from service.api.metrics import ServiceMetrics
-from service.api.worker import EngineWorker, Job
+from service.api.worker import EngineWorker
 from service.decoding import Engine, NgramDrafter, SamplingParams, SpeculativeConfig, run_alone
 from service.decoding.requests import QueueFull
 from service.decoding.text import encode_chat

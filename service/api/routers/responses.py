@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from service.api.deps import Authorized, ServingRuntime, ServingWorker, State
 from service.api.errors import SERVER, APIError
-from service.api.events import DoneEvent, ErrorEvent, Event, GenerationPlan, StepEvent
+from service.api.events import DoneEvent, ErrorEvent, Event, GenerationPlan, Job, StepEvent
 from service.api.formatters import ChoiceResult, speculative_stats
 from service.api.openapi import error_responses
 from service.api.plan import plan_chat
@@ -42,7 +42,7 @@ from service.api.streaming import (
     refuse_if_full,
 )
 from service.api.tools import tool_plan
-from service.api.worker import EngineWorker, Job
+from service.api.worker import EngineWorker
 from service.decoding import GenerationStats
 
 router = APIRouter(prefix="/v1", tags=["generation"], dependencies=[Authorized])
