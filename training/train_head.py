@@ -405,7 +405,11 @@ def model_card(report: dict, config: DraftHeadConfig) -> str:
     )
     command = (
         "python -m training"
-        + (f" --init-from {init} --lr {report['config']['lr']} --epochs {report['config']['epochs']:g}" if init else "")
+        + (
+            f" --init-from {init} --lr {report['config']['lr']} --epochs {report['config']['epochs']:g}"
+            if init
+            else ""
+        )
         + (" --fuse-layers" if config.feature_layers else "")
     )
     features = (
