@@ -15,6 +15,7 @@ Installing is opt-in: a head trained on a small corpus can be worse than the shi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import shutil
@@ -101,12 +102,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # Shard by shard: write the corpus shard (the fast dtype), then its features (the serving dtype), so a
     # run stopped by its budget or by hand leaves every finished shard usable.
-    loaded: dict[str, object] = {}
-
-    def writer():  # only when a shard is still to be written: a resumed run may need none
-        if "writer" not in loaded:
-            loaded["writer"] = load_model(args.model, dtype=args.generate_dtype)
-        return loaded["writer"]
+    # the writer loads only when a shard is still to be written: a resumed run may need none
+    writer = functools.cache(lambda: load_model(args.model, dtype=args.generate_dtype))
 
     target = load_model(args.model)
     banned = bench_ngrams()
@@ -127,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             shard_features(target, read_shard(built[shard]), out)
             timings["features_s"] = timings.get("features_s", 0.0) + time.perf_counter() - t0
         feature_files.append(out)
-    loaded.clear()
+    writer.cache_clear()  # frees the writer's weights before training
     if args.stop_after in ("corpus", "features"):
         return _save_timings(work, timings)
 

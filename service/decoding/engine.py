@@ -20,7 +20,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from service.decoding.batch import DEFAULT_MAX_BATCHED_TOKENS, Batch
 from service.decoding.draft_policy import DraftPolicy
@@ -129,7 +129,6 @@ class _Running:
     choices: list[_Choice]
     finished: int = 0
     max_generation_tokens: int = 0
-    by_generation: dict[int, _Choice] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -276,18 +275,19 @@ class EngineCore:
             return CoreStep(outputs, self._stats(0, ran=False))
         now = time.monotonic()
         round_rows = len(results) + len(self.batch.failed)
-        owner = {gid: rid for rid, r in self._running.items() for gid in r.by_generation}
+        # each batch row's request and choice, read off the running requests (one pass, no index to keep)
+        owner = {id(c.generation): (rid, c) for rid, r in self._running.items() for c in r.choices}
         for generation, error in self.batch.failed:  # the batch already took them out
-            request_id = owner.get(id(generation))
+            request_id, _ = owner[id(generation)]
             if request_id in self._running:
                 reason = FailReason.INVALID if isinstance(error, DecodingError) else FailReason.ENGINE_ERROR
                 self._fail(request_id, reason, str(error), outputs)
         for generation, step in results:
-            request_id = owner[id(generation)]
+            request_id, choice = owner[id(generation)]
             running = self._running.get(request_id)
             if running is None:  # failed in this round through another of its choices
                 continue
-            self._stepped(request_id, running, running.by_generation[id(generation)], step, now, outputs)
+            self._stepped(request_id, running, choice, step, now, outputs)
         return CoreStep(outputs, self._stats(round_rows, ran=True))
 
     def _stats(self, round_rows: int, ran: bool) -> SchedulerStats:
@@ -354,9 +354,7 @@ class EngineCore:
         started = time.monotonic()
         choices = [_Choice(g, i, started) for i, g in enumerate(generations)]
         with self._cond:
-            self._running[request_id] = _Running(
-                queued, choices, by_generation={id(c.generation): c for c in choices}
-            )
+            self._running[request_id] = _Running(queued, choices)
         outputs.append(Started(request_id, len(request.prompt_ids)))
         return True
 

@@ -32,10 +32,12 @@ def _prompt(embedded, text: str) -> list[int]:
     return encode_chat(embedded.tokenizer, [{"role": "user", "content": text}])
 
 
-def _request(embedded, text: str, max_tokens: int = 8, method: str = "sd", **kw) -> EngineRequest:
+def _request(
+    embedded, text: str, max_tokens: int = 8, method: str = "sd", ignore_eos: bool = False, **kw
+) -> EngineRequest:
     return EngineRequest(
         _prompt(embedded, text),
-        SamplingParams(max_tokens=max_tokens),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
         SpeculativeConfig(method=method),
         "ngram",
         **kw,
@@ -123,7 +125,10 @@ def test_abort_takes_a_request_out_of_the_queue_and_of_the_batch(embedded, engin
 def test_a_deadline_drops_a_request_between_rounds(embedded, engine) -> None:
     core = EngineCore(engine, max_batch_size=1, max_queue=1)
     core.add(
-        "slow", _request(embedded, "Write a long story.", max_tokens=200), deadline=time.monotonic() + 0.5
+        # ignore_eos: it cannot end on its own before the deadline, however fast the machine
+        "slow",
+        _request(embedded, "Write a long story.", max_tokens=2000, ignore_eos=True),
+        deadline=time.monotonic() + 0.5,
     )
     outputs = []
     for _ in range(400):
