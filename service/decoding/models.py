@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from service.decoding.batch_invariant import make_batch_invariant
 from service.decoding.cpu_kernels import pack_linear_layers
 from service.decoding.paths import check_gguf_header, default_cache_dir, resolve_model_spec
 from service.decoding.types import DecodingError
@@ -273,8 +274,10 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer. device: "cpu", "cuda", "cuda:1", or "auto" (device_map="auto").
 
+    `dtype="auto"` is fp32 on the CPU; `--dtype bfloat16` is exact too (see `batch_invariant`).
     `pack_cpu_weights`: an fp32 model on the CPU gets its linear layers packed for oneDNN (see
-    `cpu_kernels`): multi-token forwards, which speculation and batching run, get much cheaper."""
+    `cpu_kernels`): multi-token forwards, which speculation and batching run, get much cheaper. A bf16 CPU
+    model is made batch-invariant (`batch_invariant`), always."""
     if dtype not in DTYPES:
         raise DecodingError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     cache_dir = cache_dir or default_cache_dir()
@@ -288,7 +291,9 @@ def load_model(
         revision = "local" if path is not None else "hub"
     torch_dtype = DTYPES[dtype]
     if torch_dtype == "auto" and device == "cpu":
-        torch_dtype = torch.float32  # half precision matmuls are slow or missing on many CPUs
+        # fp32 until bf16 (exact, `batch_invariant`) has passed the whole suite and the bench as the default;
+        # `default_cpu_dtype()` says what this CPU would run natively
+        torch_dtype = torch.float32
     kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if device == "auto":
         kwargs["device_map"] = "auto"
@@ -307,6 +312,8 @@ def load_model(
     model.eval()
     if pack_cpu_weights:
         pack_linear_layers(model)
+    # not an option: strict speculative decoding's equality with plain decoding depends on it in bf16
+    make_batch_invariant(model)
     if revision == "hub":
         revision = str(getattr(model.config, "_commit_hash", None) or "hub")
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, revision=revision)

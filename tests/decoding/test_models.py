@@ -95,7 +95,7 @@ def test_a_prepared_cache_folder_is_loaded_instead_of_the_gguf(saved_words, tmp_
 
 
 def test_a_saved_folder_loads_the_same_model(words, saved_words):
-    loaded = load_model(str(saved_words))
+    loaded = load_model(str(saved_words), dtype="float32")
     assert loaded.name == str(saved_words) and loaded.revision == "local"
     assert loaded.tokenizer.get_vocab() == words.tokenizer.get_vocab()
     ids = [2, 3, 4, 5, 6]
@@ -104,6 +104,7 @@ def test_a_saved_folder_loads_the_same_model(words, saved_words):
 
 def test_dtype_is_applied_and_validated(saved_words):
     assert load_model(str(saved_words), dtype="bfloat16").model.dtype == torch.bfloat16
+    assert load_model(str(saved_words), dtype="float32").model.dtype == torch.float32
     assert load_model(str(saved_words)).model.dtype == torch.float32  # auto on CPU: float32
     for bad in ("float64", "int8", ""):
         with pytest.raises(DecodingError, match="unknown dtype") as info:
@@ -193,24 +194,27 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_both(words):
 # ---------------------------------------------------------------- oneDNN-packed CPU weights
 
 
-def test_packed_cpu_weights_give_the_default_kernels_logits(embedded):
+def test_packed_cpu_weights_give_the_default_kernels_logits():
     """`load_model` packs an fp32 CPU model's linear layers for oneDNN; the logits stay those of the
     default kernels to float32 rounding, for one token and for several (the speculative shapes), and the
     greedy choice is the same at every position."""
     from service.decoding.cpu_kernels import PackedLinear
 
-    dense = load_model("embedded", pack_cpu_weights=False)
+    packed = load_model("embedded", dtype="float32")
+    dense = load_model("embedded", dtype="float32", pack_cpu_weights=False)
     assert not any(isinstance(m, PackedLinear) for m in dense.model.modules())
-    assert any(isinstance(m, PackedLinear) for m in embedded.model.modules())
-    assert not any(type(m) is torch.nn.Linear for m in embedded.model.modules())
-    ids = embedded.tokenizer("The colour of the theatre was grey, and the centre stage of the")["input_ids"]
+    assert any(isinstance(m, PackedLinear) for m in packed.model.modules())
+    assert not any(type(m) is torch.nn.Linear for m in packed.model.modules())
+    ids = packed.tokenizer("The colour of the theatre was grey, and the centre stage of the")["input_ids"]
     for rows in (ids[:1], ids):
-        packed_logits, dense_logits = logits(embedded, rows), logits(dense, rows)
+        packed_logits, dense_logits = logits(packed, rows), logits(dense, rows)
         torch.testing.assert_close(packed_logits, dense_logits, atol=1e-3, rtol=0)
         assert torch.equal(packed_logits.argmax(-1), dense_logits.argmax(-1))
     # code that inspects the output projection still sees a dense [vocab, hidden] weight
-    head = embedded.model.get_output_embeddings()
-    assert tuple(head.weight.shape) == (len(embedded.tokenizer), embedded.model.config.hidden_size)
+    head = packed.model.get_output_embeddings()
+    assert tuple(head.weight.shape) == (len(packed.tokenizer), packed.model.config.hidden_size)
+    # a bf16 model is not packed (oneDNN packing is the fp32 path)
+    assert not any(isinstance(m, PackedLinear) for m in load_model("embedded", dtype="bf16").model.modules())
 
 
 def test_models_that_are_not_fp32_on_the_cpu_are_not_packed():

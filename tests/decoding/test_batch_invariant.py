@@ -1,0 +1,70 @@
+"""bf16 on a CPU with native bf16 matmuls: a k-token forward and a padded batch row give the same bits as
+one-token forwards of the sequence alone (`service/decoding/batch_invariant.py`), so strict SD stays exact.
+Measured on AVX512-BF16; on CPUs that emulate bf16 the kernels differ, so these tests skip there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from service.decoding.batch_invariant import ATTENTION, RowInvariantLinear
+from service.decoding.batch_kv import BatchKV
+from service.decoding.cpu_kernels import has_native_bf16
+from service.decoding.models import load_model
+from service.decoding.text import encode_chat
+
+pytestmark = [
+    pytest.mark.usefixtures("single_thread"),
+    pytest.mark.skipif(not has_native_bf16(), reason="this CPU has no native bf16 matmuls"),
+]
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    return load_model("embedded", dtype="bfloat16")
+
+
+def test_a_bf16_cpu_model_is_made_batch_invariant(bf16):
+    assert bf16.model.config._attn_implementation == ATTENTION
+    assert not any(type(m) is torch.nn.Linear for m in bf16.model.modules())
+    assert any(isinstance(m, RowInvariantLinear) for m in bf16.model.modules())
+    # a fp32 model keeps its own kernels
+    assert load_model("embedded", dtype="float32").model.config._attn_implementation != ATTENTION
+
+
+def test_a_chunk_gives_the_bits_of_one_token_forwards(bf16):
+    ids = encode_chat(bf16.tokenizer, [{"role": "user", "content": "Explain how a bicycle gear works."}])
+    model = bf16.model
+    with torch.inference_mode():
+        cache = DynamicCache()
+        step = model(input_ids=torch.tensor([ids]), cache=cache).logits[0, -1]
+        tokens, single = [], []
+        for _ in range(21):  # plain greedy decoding, one token a forward
+            tokens.append(int(step.argmax()))
+            step = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache).logits[0, -1]
+            single.append(step.float())
+        chunked = DynamicCache()
+        model(input_ids=torch.tensor([ids]), cache=chunked)
+        rows = [
+            model(input_ids=torch.tensor([tokens[i : i + 7]]), cache=chunked).logits[0] for i in (0, 7, 14)
+        ]
+    assert torch.equal(torch.cat(rows).float(), torch.stack(single))
+
+
+def test_a_padded_batch_row_gives_the_bits_of_the_row_alone(bf16):
+    a = encode_chat(
+        bf16.tokenizer, [{"role": "user", "content": "Rewrite in American spelling: the colour grey."}]
+    )
+    b = encode_chat(
+        bf16.tokenizer, [{"role": "user", "content": "Write the days of the week, one per line."}]
+    )
+    with torch.inference_mode():
+        solo = bf16.model(input_ids=torch.tensor([b])).logits[0].float()
+        kv = BatchKV(bf16.model, bf16.device, rows=1)
+        kv.forward([a[:-1]])
+        other = BatchKV(bf16.model, bf16.device, rows=1)
+        other.forward([b[:5]])
+        kv.add(other)  # b is left-padded to a's width: its keys no longer start the key axis
+        logits = kv.forward([[a[-1]], b[5:]])[1, : len(b) - 5].float()
+    assert torch.equal(logits, solo[5:])
