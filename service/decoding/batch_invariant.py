@@ -34,6 +34,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
+from service.decoding.cpu_kernels import replace_linear_layers
+from service.decoding.types import DecodingError
+
 log = logging.getLogger(__name__)
 
 ATTENTION = "csd_row_aligned"
@@ -68,6 +71,42 @@ def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
     return states[:, :, None].expand(b, heads, groups, length, dim).reshape(b, heads * groups, length, dim)
 
 
+class _Alignment:
+    """Where each row's visible keys are, worked out once per forward (every layer gets the same mask)."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask  # kept to recognise the next layer's call (the same tensor object)
+        visible = mask[:, 0] > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask[:, 0]
+        keys = visible.any(dim=1)  # [B, L]: a key some query of the row sees
+        counts = keys.sum(dim=-1)
+        length = keys.shape[1]
+        prefix = torch.arange(length, device=keys.device)[None, :] < counts[:, None]
+        self.order: torch.Tensor | None = None  # None: every row's keys already start the axis
+        self.aligned_mask = mask
+        if not torch.equal(keys, prefix):
+            width = int(counts.max())
+            self.order = torch.argsort((~keys).to(torch.int8), dim=-1, stable=True)[
+                :, :width
+            ]  # visible first
+            b = mask.shape[0]
+            gathered = mask.gather(
+                -1, self.order[:, None, None, :].expand(b, mask.shape[1], mask.shape[2], width)
+            )
+            # past a row's own keys: masked for every query (they gathered other slots' keys)
+            beyond = torch.arange(width, device=keys.device)[None, :] >= counts[:, None]
+            self.aligned_mask = _masked(gathered, beyond[:, None, None, :])
+
+
+_last: _Alignment | None = None
+
+
+def _alignment(mask: torch.Tensor) -> _Alignment:
+    global _last
+    if _last is None or _last.mask is not mask:
+        _last = _Alignment(mask)
+    return _last
+
+
 def _aligned(
     key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, query_length: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -75,21 +114,14 @@ def _aligned(
     of _KEY_BLOCK with masked zero keys."""
     b, _, length, _ = key.shape
     if mask is not None:
-        visible = mask[:, 0] > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask[:, 0]
-        keys = visible.any(dim=1)  # [B, L]: a key some query of the row sees
-        counts = keys.sum(dim=-1)
-        prefix = torch.arange(length, device=keys.device)[None, :] < counts[:, None]
-        if not torch.equal(keys, prefix):
-            width = int(counts.max())
-            order = torch.argsort((~keys).to(torch.int8), dim=-1, stable=True)[:, :width]  # visible first
-            gather = order[:, None, :, None]
+        alignment = _alignment(mask)
+        if alignment.order is not None:
+            width = alignment.order.shape[1]
+            gather = alignment.order[:, None, :, None]
             key = key.gather(2, gather.expand(b, key.shape[1], width, key.shape[3]))
             value = value.gather(2, gather.expand(b, value.shape[1], width, value.shape[3]))
-            mask = mask.gather(-1, order[:, None, None, :].expand(b, mask.shape[1], mask.shape[2], width))
-            # past a row's own keys: masked for every query (they gathered other slots' keys)
-            beyond = torch.arange(width, device=keys.device)[None, :] >= counts[:, None]
-            mask = _masked(mask, beyond[:, None, None, :])
             length = width
+        mask = alignment.aligned_mask
     pad = -length % _KEY_BLOCK
     if pad:
         key = torch.nn.functional.pad(key, (0, 0, 0, pad))
@@ -120,7 +152,7 @@ def row_aligned_attention(
     """Eager attention (transformers' `eager_attention_forward`) over row-aligned keys: query [B, Hq, T, D],
     key/value [B, Hkv, L, D], attention_mask [B, 1, T, L] (additive, eager's) or None."""
     if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("row-aligned attention has no logit softcap or attention sinks")
+        raise DecodingError("row-aligned attention has no logit softcap or attention sinks")
     key, value, mask = _aligned(key, value, attention_mask, query.shape[2])
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
@@ -145,12 +177,13 @@ def make_batch_invariant(model: torch.nn.Module) -> bool:
         return False
     if parameter.device.type != "cpu" or parameter.dtype != torch.bfloat16:
         return False
-    replaced = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(module, name, RowInvariantLinear(child))
-                replaced += 1
+    replaced = replace_linear_layers(model, RowInvariantLinear)
+    if getattr(model.config, "attn_logit_softcapping", None):
+        # row-aligned attention has no softcap: such a model keeps its own attention (and its near-tie flips)
+        log.warning(
+            "bf16 on the CPU: %s softcaps attention logits; strict SD may flip near-ties", type(model)
+        )
+        return True
     model.set_attn_implementation(ATTENTION)
     log.debug("bf16 CPU model made batch-invariant: %d linear layers, row-aligned eager attention", replaced)
     return True

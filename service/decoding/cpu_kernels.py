@@ -14,14 +14,15 @@ turns it off). GPUs are untouched.
 
 bf16 is the other half, on CPUs with native bf16 matmuls (AVX512-BF16, AMX, Arm BF16): a 7-token forward of
 the embedded model costs ~1.1x a one-token one (packed fp32: ~1.6x), so every draft is cheaper to verify, and
-one-token forwards are no slower. `dtype=auto` picks it there (`default_cpu_dtype`); such a model is made
-batch-invariant (`batch_invariant`) so strict speculative decoding stays exactly plain decoding.
+one-token forwards are no slower. `--dtype bfloat16` loads it (`dtype=auto` is still fp32); such a model is
+made batch-invariant (`batch_invariant`) so strict speculative decoding stays exactly plain decoding.
 """
 
 from __future__ import annotations
 
 import logging
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,13 +78,19 @@ def pack_linear_layers(model: torch.nn.Module) -> int:
     (0 when the model is not an fp32 CPU model or oneDNN is missing)."""
     if not can_pack(model):
         return 0
+    replaced = replace_linear_layers(model, PackedLinear)
+    log.debug("packed %d linear layers for oneDNN", replaced)
+    return replaced
+
+
+def replace_linear_layers(model: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module]) -> int:
+    """Replace every plain `nn.Linear` of `model` by `make(linear)`; returns how many were replaced."""
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, make(child))
                 replaced += 1
-    log.debug("packed %d linear layers for oneDNN", replaced)
     return replaced
 
 
@@ -103,9 +110,3 @@ def has_native_bf16() -> bool:
                 return "bf16" in flags
             return bool(flags & {"avx512_bf16", "amx_bf16"})
     return False
-
-
-def default_cpu_dtype() -> torch.dtype:
-    """What `dtype=auto` loads on the CPU: bf16 where the CPU has native bf16 matmuls, fp32 elsewhere (half
-    precision is emulated, or missing, on the others)."""
-    return torch.bfloat16 if has_native_bf16() else torch.float32

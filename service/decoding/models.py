@@ -291,8 +291,8 @@ def load_model(
         revision = "local" if path is not None else "hub"
     torch_dtype = DTYPES[dtype]
     if torch_dtype == "auto" and device == "cpu":
-        # fp32 until bf16 (exact, `batch_invariant`) has passed the whole suite and the bench as the default;
-        # `default_cpu_dtype()` says what this CPU would run natively
+        # fp32 until bf16 (exact, `batch_invariant`; `cpu_kernels.has_native_bf16` says where it is native)
+        # has passed the whole suite and the bench as the default
         torch_dtype = torch.float32
     kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if device == "auto":

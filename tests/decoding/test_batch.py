@@ -229,21 +229,25 @@ def test_speculation_stays_on_at_16_rows_where_forwards_are_overhead_bound():
     assert policy.choose_batch([("ngram", 2, 4)] * 16, rows=16, max_len=2) == 2
 
 
-def test_greedy_argmax_is_unaffected_by_padding_rows(embedded, prompt_ids):
-    """The raw layout check: one row's logits in a padded two-row forward equal its one-row logits."""
+def padded_and_solo_logits(target, a: list[int], b: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """b's logits (from its 6th token on) as the second row of a batch with a, left-padded to a's width, and
+    alone in one forward."""
     from service.decoding.batch_kv import BatchKV
 
-    a, b = prompt_ids[0], prompt_ids[2]
     with torch.inference_mode():
-        solo = embedded.model(input_ids=torch.tensor([b])).logits[0].float()
-        kv = BatchKV(embedded.model, embedded.device, rows=1)
+        solo = target.model(input_ids=torch.tensor([b])).logits[0].float()
+        kv = BatchKV(target.model, target.device, rows=1)
         kv.forward([a[:-1]])
-        other = BatchKV(embedded.model, embedded.device, rows=1)
+        other = BatchKV(target.model, target.device, rows=1)
         other.forward([b[:5]])
         kv.add(other)  # b is left-padded to a's width
         logits = kv.forward([[a[-1]], b[5:]])[1, : len(b) - 5].float()
-    if embedded.model.dtype == torch.bfloat16:  # batch-invariant kernels (`batch_invariant`): the same bits
-        assert torch.equal(logits, solo[5:])
+    return logits, solo
+
+
+def test_greedy_argmax_is_unaffected_by_padding_rows(embedded, prompt_ids):
+    """The raw layout check: one row's logits in a padded two-row forward equal its one-row logits."""
+    logits, solo = padded_and_solo_logits(embedded, prompt_ids[0], prompt_ids[2])
     assert torch.allclose(logits, solo[5:], atol=1e-3)
     assert torch.equal(logits.argmax(-1), solo[5:].argmax(-1))
 

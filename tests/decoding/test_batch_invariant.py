@@ -9,10 +9,10 @@ import torch
 from transformers import DynamicCache
 
 from service.decoding.batch_invariant import ATTENTION, RowInvariantLinear
-from service.decoding.batch_kv import BatchKV
 from service.decoding.cpu_kernels import has_native_bf16
 from service.decoding.models import load_model
 from service.decoding.text import encode_chat
+from tests.decoding.test_batch import padded_and_solo_logits
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
@@ -59,12 +59,5 @@ def test_a_padded_batch_row_gives_the_bits_of_the_row_alone(bf16):
     b = encode_chat(
         bf16.tokenizer, [{"role": "user", "content": "Write the days of the week, one per line."}]
     )
-    with torch.inference_mode():
-        solo = bf16.model(input_ids=torch.tensor([b])).logits[0].float()
-        kv = BatchKV(bf16.model, bf16.device, rows=1)
-        kv.forward([a[:-1]])
-        other = BatchKV(bf16.model, bf16.device, rows=1)
-        other.forward([b[:5]])
-        kv.add(other)  # b is left-padded to a's width: its keys no longer start the key axis
-        logits = kv.forward([[a[-1]], b[5:]])[1, : len(b) - 5].float()
+    logits, solo = padded_and_solo_logits(bf16, a, b)  # b's keys no longer start the key axis
     assert torch.equal(logits, solo[5:])

@@ -133,9 +133,8 @@ def test_sd_equals_vanilla_greedy(engine, embedded, prompt_ids, vanilla, drafter
     if drafter == "self":  # the target drafting for itself is right nearly every time
         assert sd.stats.acceptance_rate > 0.9
     if drafter == "head":  # the trained head drafts what the target says far more often than chance (its
-        # calibrated stop rule drafts little where it is unsure, so acceptance is the sharper check). Measured:
-        # 0.36 / 0.37 on prompts 0 / 1 in fp32, 0.36 / 0.30 in bf16 (whose greedy answer to prompt 1 differs)
-        assert sd.stats.acceptance_rate >= 0.25 and sd.stats.tokens_per_forward >= 1.4, sd.stats.as_dict()
+        # calibrated stop rule drafts little where it is unsure, so acceptance is the sharper check)
+        assert sd.stats.acceptance_rate > 0.3 and sd.stats.tokens_per_forward >= 1.4, sd.stats.as_dict()
 
 
 @pytest.mark.parametrize(
