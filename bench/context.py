@@ -58,6 +58,8 @@ class Bench:
     calibrated: InMemoryStore = field(default_factory=InMemoryStore)
     # target forward seconds for 1..k+1 tokens, for the adaptive methods' draft policy
     forward_costs: ForwardCosts | None = None
+    # a float32 copy of the target where it is served in another dtype (the `vanilla-fp32` column)
+    fp32_target: LoadedModel | None = None
     _embedder: SentenceEmbedder | None = None
     _scorer: LogLikelihoodScorer | None = None
 
@@ -69,9 +71,10 @@ class Bench:
         draft: LoadedModel | None,
         progress: tqdm,
         head: Path | None = None,
+        fp32_target: LoadedModel | None = None,
     ) -> Bench:
         """`head`: the draft head's folder; it brings the "head" and "combined" drafters (as the service
-        builds them: the combined one shares the n-gram drafter)."""
+        builds them: the combined one shares the n-gram drafter). `fp32_target`: the reference copy."""
         ngram = NgramDrafter(config.ngram_min, config.ngram_max)
         drafters: dict[str, Drafter] = {"ngram": ngram}
         if head is not None:
@@ -81,7 +84,9 @@ class Bench:
         if draft is not None:
             drafters["model"] = ModelDrafter(draft)
         costs = measure_forward_costs(target.model, config.speculative().num_speculative_tokens + 1)
-        return cls(config, target, draft, drafters, progress, forward_costs=costs)
+        return cls(
+            config, target, draft, drafters, progress, forward_costs=costs, fp32_target=fp32_target
+        )
 
     @property
     def speculative(self) -> SpeculativeConfig:
@@ -128,6 +133,10 @@ class Bench:
         for spec in specs:
             if spec.ocm is not None:
                 engines[spec.label] = self.engine(spec.ocm)
+            if spec.fp32_target:
+                if self.fp32_target is None:
+                    raise ValueError(f"{spec.label} needs the float32 copy of the target")
+                engines[spec.label] = Engine(self.fp32_target, {})
         return engines
 
     def run(

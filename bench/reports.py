@@ -670,6 +670,25 @@ def main_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def fp32_table(report: dict) -> str | None:
+    """Equal-work speedups over float32 vanilla, where the target was served in another dtype."""
+    rows = [
+        (workload, method, r["equal_work_speedup_vs_fp32"], r.get("equal_work_speedup"))
+        for workload, data in report["workloads"].items()
+        for method, r in data["methods"].items()
+        if r.get("equal_work_speedup_vs_fp32") is not None
+    ]
+    if not rows:
+        return None
+    lines = [
+        "| workload | method | equal-work speedup over float32 vanilla | over vanilla in the serving dtype |",
+        "|---|---|---|---|",
+    ]
+    for workload, method, vs_fp32, vs_own in rows:
+        lines.append(f"| {workload} | {method} | {vs_fp32:.2f}x | {_num(vs_own, '.2f')}x |")
+    return "\n".join(lines)
+
+
 def goals_table(goals: list[dict]) -> str:
     lines = ["| issue | goal | status | measured |", "|---|---|---|---|"]
     for g in goals:
@@ -694,6 +713,7 @@ whose tokens equal vanilla's; **loglik/tok** mean target log-likelihood per gene
 forward); **sim** mean cosine similarity to vanilla's text (all-MiniLM-L6-v2). Methods: `vanilla` plain target
 decoding; `sd` strict speculative decoding; `lossy` the paper's static baseline (p(draft) >= 0.6 p(top));
 `csd-cold` CSD from an empty OCM; `csd` CSD from the calibrated OCM (both keep learning online per workload);
+`vanilla-fp32` plain decoding with a float32 copy of a target served in bf16;
 `*-adaptive` with the service's cost-aware draft policy; `hf-greedy` / `hf-pld` transformers' `generate` plain /
 with `prompt_lookup_num_tokens`; `*-head` the trained draft head as drafter, `*-combined` prompt lookup where it
 matches >= 3 tokens and the head elsewhere (each calibrated on its own OCM namespace), `csd-head-unguarded`
@@ -854,7 +874,7 @@ def markdown(report: dict) -> str:
         "",
         f"Machine: {meta['machine_line']}",
         "",
-        f"Model: {meta['target']} (target){', ' + meta['draft'] + ' (draft)' if meta.get('draft') else ''}"
+        f"Model: {meta['target']} (target, {meta.get('target_dtype', 'float32')}){', ' + meta['draft'] + ' (draft)' if meta.get('draft') else ''}"
         f"{', ' + report['draft_head']['identity'] + ' (draft head)' if (report.get('draft_head') or {}).get('identity') else ''}; "
         f"greedy; max_tokens {report['config']['max_tokens']}; num_speculative_tokens "
         f"{report['config']['num_speculative_tokens']}, lambda {report['config']['lambda_']:g}, tau "
@@ -867,6 +887,17 @@ def markdown(report: dict) -> str:
     ]
     if skipped:
         parts += [f"_Head / combined columns skipped: {skipped}._", ""]
+    against_fp32 = fp32_table(report)
+    if against_fp32:
+        parts += [
+            "## Against float32 vanilla",
+            "",
+            "The target was served in another dtype; `vanilla-fp32` is plain decoding with a float32 copy of it "
+            "(its exact / loglik / sim columns above are that dtype's own quality against the serving one).",
+            "",
+            against_fp32,
+            "",
+        ]
     parts += [
         COLUMN_HELP,
         "",

@@ -100,8 +100,15 @@ def run_benchmark(
     if draft is not None:
         check_same_vocabulary(target, draft)
     head, head_note = head_folder(config)
+    # served in another dtype (bf16 on a CPU that has it): vanilla in float32 runs beside it as a reference
+    fp32_target = None
+    if device == "cpu" and target.model.dtype != torch.float32:
+        fp32_target = load_model(config.model, dtype="float32", device=device)
     specs = method_specs(
-        with_draft_model=draft is not None, with_peer=config.peer, with_head=head is not None
+        with_draft_model=draft is not None,
+        with_peer=config.peer,
+        with_head=head is not None,
+        with_fp32=fp32_target is not None,
     )
     if config.methods:
         unknown = sorted(set(config.methods) - {s.label for s in specs})
@@ -124,7 +131,7 @@ def run_benchmark(
     )
     progress = tqdm(total=total, desc="bench", unit="gen", file=out, dynamic_ncols=True)
     clock = PhaseClock(progress)
-    bench = Bench.create(config, target, draft, progress, head)
+    bench = Bench.create(config, target, draft, progress, head, fp32_target)
     report: dict = {
         "config": config.as_dict(),
         "methods": [_spec_dict(s) for s in specs],
@@ -219,6 +226,7 @@ def run_benchmark(
         "machine": machine,
         "machine_line": one_line(machine),
         "target": target.identity,
+        "target_dtype": str(target.model.dtype).removeprefix("torch."),
         "draft": draft.identity if draft is not None else None,
     }
     report["plots"] = [p.name for p in plots.write_plots(report, out_dir)]

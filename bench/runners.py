@@ -37,10 +37,15 @@ class MethodSpec:
     # "-unguarded" column that measures what they block and what they cost (the paper's CSD)
     guard_facts: bool = True
     guard_turns: bool = True
+    # runs on a float32 copy of the target instead (only "vanilla-fp32", beside a target served in another
+    # dtype): the reference that speedups are also quoted against, and the serving dtype's quality check
+    fp32_target: bool = False
 
     @property
     def lossless(self) -> bool:
         """Outputs must equal vanilla greedy token for token (checked for our sd, shown for the peer)."""
+        if self.fp32_target:  # another dtype rounds differently: compared, never required to be equal
+            return False
         return self.method in (Method.VANILLA, Method.SD) or self.runner == "hf"
 
     @property
@@ -49,13 +54,18 @@ class MethodSpec:
 
 
 VANILLA = MethodSpec("vanilla", "engine", Method.VANILLA)
+VANILLA_FP32 = MethodSpec("vanilla-fp32", "engine", Method.VANILLA, fp32_target=True)
 CSD_COLD = MethodSpec("csd-cold", "engine", Method.CSD, "ngram", ocm="cold")
 CSD = MethodSpec("csd", "engine", Method.CSD, "ngram", ocm="calibrated")
 
 
-def method_specs(with_draft_model: bool, with_peer: bool = True, with_head: bool = False) -> list[MethodSpec]:
+def method_specs(
+    with_draft_model: bool, with_peer: bool = True, with_head: bool = False, with_fp32: bool = False
+) -> list[MethodSpec]:
+    """`with_fp32`: the target is served in another dtype than float32; add `vanilla-fp32`."""
     specs = [
         VANILLA,
+        *([VANILLA_FP32] if with_fp32 else []),
         MethodSpec("sd", "engine", Method.SD, "ngram"),
         MethodSpec("lossy", "engine", Method.LOSSY, "ngram"),
         CSD_COLD,
@@ -102,9 +112,9 @@ def method_specs(with_draft_model: bool, with_peer: bool = True, with_head: bool
 
 
 def select_specs(specs: list[MethodSpec], methods: Sequence[str], peer: bool) -> list[MethodSpec]:
-    """The columns `--methods` names, and the peer's beside them unless `--no-peer` (`peer` False): a
-    comparison must not lose its reference silently."""
-    return [s for s in specs if s.label in methods or (s.runner == "hf" and peer)]
+    """The columns `--methods` names, and the peer's beside them unless `--no-peer` (`peer` False), and the
+    fp32 reference where there is one: a comparison must not lose its reference silently."""
+    return [s for s in specs if s.label in methods or (s.runner == "hf" and peer) or s.fp32_target]
 
 
 @dataclass

@@ -39,6 +39,7 @@ FACT_CLASSES = ("number", "negation", "name")
 OUTPUT_FACT_CLASSES = ("number", "date", "name")
 
 TASK_SCORES = {"qa": "accuracy", "math": "accuracy", "humaneval": "pass@1"}
+FP32_VANILLA = "vanilla-fp32"  # the float32 reference column, present where the target is served in bf16
 
 
 @dataclass
@@ -125,6 +126,19 @@ def score_quality(
                 run.correct[label] = passed[path][run.prompt.id]
 
 
+def equal_work(
+    outs: list[RunOutput], references: list[RunOutput]
+) -> tuple[list[int], list[float], list[float]]:
+    """Per prompt, min(its length, the reference's) tokens, and the seconds each output and its reference
+    took to emit that many: speed compared on the same amount of work, whatever the lengths."""
+    equal = [min(o.tokens, v.tokens) for o, v in zip(outs, references, strict=True)]
+    return (
+        equal,
+        [o.seconds_to(e) for o, e in zip(outs, equal, strict=True)],
+        [v.seconds_to(e) for v, e in zip(references, equal, strict=True)],
+    )
+
+
 def summarise(name: str, runs: list[PromptRun], specs: list[MethodSpec]) -> dict[str, dict]:
     rows: dict[str, dict] = {}
     base = Aggregate()
@@ -138,10 +152,7 @@ def summarise(name: str, runs: list[PromptRun], specs: list[MethodSpec]) -> dict
         logliks = [r.loglik[spec.label] for r in runs if r.loglik[spec.label] is not None]
         outs = [r.outputs[spec.label] for r in runs]
         vanillas = [r.outputs["vanilla"] for r in runs]
-        # equal work: per prompt, the time each took to emit the first min(its length, vanilla's) tokens
-        equal = [min(o.tokens, v.tokens) for o, v in zip(outs, vanillas, strict=True)]
-        equal_seconds = [o.seconds_to(e) for o, e in zip(outs, equal, strict=True)]
-        vanilla_equal_seconds = [v.seconds_to(e) for v, e in zip(vanillas, equal, strict=True)]
+        equal, equal_seconds, vanilla_equal_seconds = equal_work(outs, vanillas)
         refused: Counter = Counter()
         for o in outs:
             refused.update(o.refused_rescues)
@@ -195,6 +206,9 @@ def summarise(name: str, runs: list[PromptRun], specs: list[MethodSpec]) -> dict
             "task_metric": TASK_SCORES.get(name),
             "task_score": None,
         }
+        if FP32_VANILLA in runs[0].outputs:  # served in bf16: the speedup over float32 vanilla too
+            _, mine, theirs = equal_work(outs, [r.outputs[FP32_VANILLA] for r in runs])
+            row["equal_work_speedup_vs_fp32"] = sum(theirs) / sum(mine) if sum(mine) else None
         if name in TASK_SCORES and n:
             correct = [r.correct[spec.label] for r in runs]
             low, high = wilson_interval(sum(correct), n)

@@ -56,6 +56,13 @@ def main(argv: list[str] | None = None) -> None:
         help="feature files the heads never trained on (e.g. corpus shards newer than the head): fit each head's "
         "confidence temperature on them, write it into the head's config.json, and report the head on them",
     )
+    parser.add_argument(
+        "--min-survival",
+        type=float,
+        action="append",
+        default=None,
+        help="score the stop rule at this threshold instead of the drafter's own (repeatable)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -97,9 +104,11 @@ def main(argv: list[str] | None = None) -> None:
             head = RecurrentDraftHead.load(folder).bind(embed, lm_head)
             data, spans = load_data([features], fused=bool(head.config.feature_layers))
             remap = torch.full((int(data.tokens.max()) + 1,), -100, dtype=torch.long)
-            figures = evaluate(head, data, _positions(spans), remap, TrainConfig())
-            results.setdefault(str(folder), {})[workload] = figures
-            print(f"{workload:9s} {str(folder):60s} {json.dumps(figures)}", flush=True)
+            for threshold in args.min_survival or [None]:
+                figures = evaluate(head, data, _positions(spans), remap, TrainConfig(), min_survival=threshold)
+                name = workload if threshold is None else f"{workload}@{threshold:g}"
+                results.setdefault(str(folder), {})[name] = figures
+                print(f"{name:9s} {str(folder):60s} {json.dumps(figures)}", flush=True)
     print(json.dumps(results, indent=1))
 
 

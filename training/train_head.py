@@ -145,6 +145,7 @@ def evaluate(
     remap: torch.Tensor,
     config: TrainConfig,
     max_steps: int = 6,
+    min_survival: float | None = None,
 ) -> dict:
     """Teacher-forced held-out figures of a head:
     - accuracy per draft step, and the conditional acceptance of a chain (a step counts only where every
@@ -152,9 +153,11 @@ def evaluate(
     - `served_tokens_per_forward`: serving simulated, with the head's own stop rule (`MIN_SURVIVAL` on its
       calibrated confidence): each start drafts until the rule stops it or 6 tokens, keeps the draft's
       correct prefix, plus the target's own token. This is the model card's prediction for greedy serving
-      with `--drafter head` (the draft policy can only cut drafts shorter)."""
+      with `--drafter head` (the draft policy can only cut drafts shorter). `min_survival`: the stop rule's
+      threshold (default: the drafter's `MIN_SURVIVAL`)."""
     from service.decoding.drafters.head import MIN_SURVIVAL
 
+    threshold = MIN_SURVIVAL if min_survival is None else min_survival
     head.eval()
     correct, counted = [0] * max_steps, [0] * max_steps
     chain_hits, chain_tries = [0] * max_steps, [0] * max_steps
@@ -183,7 +186,7 @@ def evaluate(
                 served_kept += int((drafting & alive & hit).sum())
                 alive = alive & hit
                 survival = survival * torch.softmax(logits.float() / temperature, -1).max(-1).values
-                drafting &= survival >= MIN_SURVIVAL
+                drafting &= survival >= threshold
     head.train()
     accuracy = [c / max(1, n) for c, n in zip(correct, counted, strict=True)]
     conditional = [c / max(1, n) for c, n in zip(chain_hits, chain_tries, strict=True)]

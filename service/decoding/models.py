@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from service.decoding.batch_invariant import make_batch_invariant
-from service.decoding.cpu_kernels import pack_linear_layers
+from service.decoding.cpu_kernels import default_cpu_dtype, pack_linear_layers
 from service.decoding.paths import check_gguf_header, default_cache_dir, resolve_model_spec
 from service.decoding.types import DecodingError
 
@@ -274,7 +274,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer. device: "cpu", "cuda", "cuda:1", or "auto" (device_map="auto").
 
-    `dtype="auto"` is fp32 on the CPU; `--dtype bfloat16` is exact too (see `batch_invariant`).
+    `dtype="auto"` on the CPU is bf16 where the CPU multiplies bf16 natively, else fp32
+    (`cpu_kernels.default_cpu_dtype`); strict speculative decoding is exact in both (`batch_invariant`).
     `pack_cpu_weights`: an fp32 model on the CPU gets its linear layers packed for oneDNN (see
     `cpu_kernels`): multi-token forwards, which speculation and batching run, get much cheaper. A bf16 CPU
     model is made batch-invariant (`batch_invariant`), always."""
@@ -291,9 +292,7 @@ def load_model(
         revision = "local" if path is not None else "hub"
     torch_dtype = DTYPES[dtype]
     if torch_dtype == "auto" and device == "cpu":
-        # fp32 until bf16 (exact, `batch_invariant`; `cpu_kernels.has_native_bf16` says where it is native)
-        # has passed the whole suite and the bench as the default
-        torch_dtype = torch.float32
+        torch_dtype = default_cpu_dtype()
     kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if device == "auto":
         kwargs["device_map"] = "auto"

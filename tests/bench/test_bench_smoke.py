@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from service.decoding.cpu_kernels import has_native_bf16
+
 REPO = Path(__file__).resolve().parents[2]
 ROW_FIELDS = {
     "prompts", "tokens", "seconds", "tokens_per_second", "speedup", "tokens_per_forward", "forwards_per_token",
@@ -27,6 +29,8 @@ HEAD_METHODS = {
     "sd-head", "csd-head", "csd-head-unguarded", "sd-combined", "csd-combined", "sd-combined-adaptive",
     "csd-combined-adaptive",
 }  # fmt: skip
+# the embedded target loads in bf16 where this CPU multiplies bf16 natively: float32 vanilla runs beside it
+FP32_METHODS = {"vanilla-fp32"} if has_native_bf16() else set()
 
 
 def run_bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -61,7 +65,7 @@ def test_bench_end_to_end(tmp_path, embedded_head):
     report = json.loads((out / "report.json").read_text())
     assert set(report["workloads"]) == {"grounded", "qa", "humaneval"}
     for workload in report["workloads"].values():
-        assert set(workload["methods"]) == METHODS | HEAD_METHODS
+        assert set(workload["methods"]) == METHODS | HEAD_METHODS | FP32_METHODS
         for method, row in workload["methods"].items():
             assert set(row) >= ROW_FIELDS, method
             assert row["tokens"] > 0 and row["tokens_per_second"] > 0
@@ -120,7 +124,7 @@ def test_bench_end_to_end(tmp_path, embedded_head):
             assert (goal["status"] == "not measured") is idle, goal
     # lossless columns change no fact of vanilla's output; every column is counted
     facts_out = report["output_fact_changes"]
-    assert set(facts_out) == (METHODS | HEAD_METHODS) - {"vanilla"}
+    assert set(facts_out) == (METHODS | HEAD_METHODS | FP32_METHODS) - {"vanilla"}
     assert facts_out["sd"]["changed"] == 0 and facts_out["sd"]["vanilla_facts"] >= 0
     assert all(
         r["turn_rescues"] == 0 for label, r in report["rescued"].items() if label != "csd-head-unguarded"
@@ -141,7 +145,13 @@ def test_bench_end_to_end(tmp_path, embedded_head):
         assert section in markdown, section
     assert report["meta"]["machine"]["torch_threads"] == 1  # --threads 1
     lines = (out / "outputs.jsonl").read_text().splitlines()
-    assert len(lines) == 3 * len(METHODS | HEAD_METHODS)
+    assert len(lines) == 3 * len(METHODS | HEAD_METHODS | FP32_METHODS)
+    if FP32_METHODS:  # every column's speed is also quoted against float32 vanilla
+        assert report["meta"]["target_dtype"] == "bfloat16"
+        assert "## Against float32 vanilla" in markdown and "(target, bfloat16)" in markdown
+        for row in grounded.values():
+            assert row["equal_work_speedup_vs_fp32"] > 0
+        assert "vanilla-fp32" not in report["lossless"]["methods"]  # another dtype: compared, not required
 
 
 def test_bad_option_is_one_line_and_exit_2():

@@ -96,6 +96,16 @@ def test_methods_keep_the_peer_unless_no_peer():
     ]
 
 
+def test_fp32_reference_column_is_kept_and_never_held_lossless():
+    specs = method_specs(with_draft_model=False, with_head=True, with_fp32=True)
+    fp32 = next(s for s in specs if s.label == "vanilla-fp32")
+    assert fp32.fp32_target and fp32.method is Method.VANILLA and not fp32.lossless
+    # --methods keeps the reference column, as it keeps the peer's
+    chosen = [s.label for s in select_specs(specs, ("vanilla", "sd-head"), peer=False)]
+    assert chosen == ["vanilla", "vanilla-fp32", "sd-head"]
+    assert "vanilla-fp32" not in {s.label for s in method_specs(with_draft_model=False)}
+
+
 def test_forward_counter_counts_and_detaches(embedded):
     import torch
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from service.decoding import DecodingError, check_same_vocabulary, load_model
+from service.decoding.cpu_kernels import has_native_bf16
 from service.decoding.models import gguf_cache_folder, gguf_content_key, load_tokenizer_for_display
 from service.decoding.paths import default_cache_dir, embedded_gguf_path
 from tests.conftest import WORDS, make_word_model, make_word_tokenizer
@@ -105,7 +106,9 @@ def test_a_saved_folder_loads_the_same_model(words, saved_words):
 def test_dtype_is_applied_and_validated(saved_words):
     assert load_model(str(saved_words), dtype="bfloat16").model.dtype == torch.bfloat16
     assert load_model(str(saved_words), dtype="float32").model.dtype == torch.float32
-    assert load_model(str(saved_words)).model.dtype == torch.float32  # auto on CPU: float32
+    # auto on the CPU: bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX, Arm BF16), else fp32
+    native = torch.bfloat16 if has_native_bf16() else torch.float32
+    assert load_model(str(saved_words)).model.dtype == native
     for bad in ("float64", "int8", ""):
         with pytest.raises(DecodingError, match="unknown dtype") as info:
             load_model(str(saved_words), dtype=bad)
