@@ -84,9 +84,7 @@ class Bench:
         if draft is not None:
             drafters["model"] = ModelDrafter(draft)
         costs = measure_forward_costs(target.model, config.speculative().num_speculative_tokens + 1)
-        return cls(
-            config, target, draft, drafters, progress, forward_costs=costs, fp32_target=fp32_target
-        )
+        return cls(config, target, draft, drafters, progress, forward_costs=costs, fp32_target=fp32_target)
 
     @property
     def speculative(self) -> SpeculativeConfig:
@@ -101,7 +99,9 @@ class Bench:
     @property
     def scorer(self) -> LogLikelihoodScorer:
         if self._scorer is None:
-            self._scorer = LogLikelihoodScorer(self.target)
+            # scored by the float32 copy where there is one: the reference precision judges every dtype's
+            # output, the serving one's included
+            self._scorer = LogLikelihoodScorer(self.fp32_target or self.target)
         return self._scorer
 
     def engine(self, ocm: str | None) -> Engine:

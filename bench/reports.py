@@ -210,7 +210,37 @@ def _similarity_goal(report: dict, label: str, issue: int, threshold: float = 0.
 
 
 def evaluate_goals(report: dict) -> list[dict]:
-    return ngram_goals(report) + head_goals(report) + quality_goals(report)
+    return ngram_goals(report) + head_goals(report) + served_goals(report) + quality_goals(report)
+
+
+SERVED = "csd-combined-adaptive"  # what `csd serve` runs by default on the embedded model
+
+
+def served_goals(report: dict) -> list[dict]:
+    """Issue 18: the served default on prompts no training saw, against vanilla in the serving dtype and
+    against transformers' prompt lookup."""
+    return [
+        _speed_goal(
+            report, "chat", SERVED, 1.6, f"{SERVED} (served default) >= 1.6x vanilla on chat", issue=18
+        ),
+        _speed_goal(
+            report,
+            "grounded",
+            SERVED,
+            2.0,
+            f"{SERVED} (served default) >= 2.0x vanilla on grounded",
+            issue=18,
+        ),
+        _speed_goal(
+            report,
+            "grounded",
+            SERVED,
+            1.3,
+            f"{SERVED} (served default) >= 1.3x transformers prompt-lookup (hf-pld) on grounded",
+            against="hf-pld",
+            issue=18,
+        ),
+    ]
 
 
 def ngram_goals(report: dict) -> list[dict]:
@@ -710,7 +740,7 @@ the correction memory over decoding time; **task** QA accuracy (answer string in
 pass@1 (its own harness) or math accuracy (last number), with a 95% Wilson interval; **task cut** QA accuracy
 of the output cut at vanilla's length (a longer answer has more chances to contain the string); **exact** share of prompts
 whose tokens equal vanilla's; **loglik/tok** mean target log-likelihood per generated token (one teacher-forced
-forward); **sim** mean cosine similarity to vanilla's text (all-MiniLM-L6-v2). Methods: `vanilla` plain target
+forward; by the float32 copy of a target served in bf16); **sim** mean cosine similarity to vanilla's text (all-MiniLM-L6-v2). Methods: `vanilla` plain target
 decoding; `sd` strict speculative decoding; `lossy` the paper's static baseline (p(draft) >= 0.6 p(top));
 `csd-cold` CSD from an empty OCM; `csd` CSD from the calibrated OCM (both keep learning online per workload);
 `vanilla-fp32` plain decoding with a float32 copy of a target served in bf16;
@@ -902,7 +932,7 @@ def markdown(report: dict) -> str:
         COLUMN_HELP,
         "",
         "## Goals (issue 8: CSD with the calibrated OCM, n-gram drafter; issue 11: the trained draft head; "
-        "issue 19: what CSD may change)",
+        "issue 18: the served default on unseen prompts; issue 19: what CSD may change)",
         "",
         'Speed goals are judged on equal work with a 95% bootstrap interval over prompts ("within noise" when '
         'it straddles the threshold); a quality goal of a column that rescued nothing is "not measured". A '

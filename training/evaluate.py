@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
             data, spans = load_data([features], fused=bool(head.config.feature_layers))
             remap = torch.full((int(data.tokens.max()) + 1,), -100, dtype=torch.long)
             for threshold in args.min_survival or [None]:
-                figures = evaluate(head, data, _positions(spans), remap, TrainConfig(), min_survival=threshold)
+                figures = evaluate(
+                    head, data, _positions(spans), remap, TrainConfig(), min_survival=threshold
+                )
                 name = workload if threshold is None else f"{workload}@{threshold:g}"
                 results.setdefault(str(folder), {})[name] = figures
                 print(f"{name:9s} {str(folder):60s} {json.dumps(figures)}", flush=True)

@@ -112,7 +112,7 @@ def test_bench_end_to_end(tmp_path, embedded_head):
         "cal-085"
     ]  # held out of the calibration, never an evaluation prompt
     assert len(report["replay"]["requests"]) == 2
-    assert len(report["goals"]) == 23  # issue 8's ten, issue 11's seven and issue 19's six
+    assert len(report["goals"]) == 26  # issue 8's ten, issue 11's seven, issue 18's three, issue 19's six
     goals = {g["goal"]: g["status"] for g in report["goals"]}
     lossless = next(status for goal, status in goals.items() if goal.startswith("sd output identical"))
     assert lossless == "met"  # the lossless check above passed, so its goal must say so

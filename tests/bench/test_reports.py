@@ -447,3 +447,19 @@ def test_the_gain_goal_needs_tokens_per_forward_similarity_and_qa_on_both_worklo
     assert goal_of(evaluate_goals(r), "csd >= 1.1x sd's tokens per forward")["status"] == "missed"
     # no combined columns ran: not measured
     assert goal_of(goals, "csd-combined >= 1.1x")["status"] == "not measured"
+
+
+def test_served_default_goals_follow_the_figures_and_need_their_column():
+    r = report(sd_tps=16.0, csd_tps=21.0, peer_tps=15.0, qa_diff=0.0)
+    served = "csd-combined-adaptive (served default)"
+    goals = by_goal(evaluate_goals(r))
+    assert goals[f"{served} >= 2.0x vanilla on grounded"] == "not measured"  # the column did not run
+    r["workloads"]["grounded"]["methods"]["csd-combined-adaptive"] = row(21.0, 2.6)
+    r["workloads"]["chat"] = {
+        "prompts": 10,
+        "methods": {"vanilla": row(10.0), "csd-combined-adaptive": row(15.0)},
+    }
+    goals = by_goal(evaluate_goals(r))
+    assert goals[f"{served} >= 2.0x vanilla on grounded"] == "met"  # 2.1x
+    assert goals[f"{served} >= 1.3x transformers prompt-lookup (hf-pld) on grounded"] == "met"  # 21 / 15
+    assert goals[f"{served} >= 1.6x vanilla on chat"] == "missed"  # 1.5x
