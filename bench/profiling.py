@@ -53,7 +53,8 @@ def lm_head_cost(bench: Bench, sizes: list[int], repeats: int) -> dict[int, floa
     device = bench.target.device
     times: dict[int, list[float]] = {n: [] for n in sizes}
     with torch.inference_mode():
-        rows = {n: torch.randn(1, n, hidden, device=device) for n in sizes}
+        dtype = bench.target.model.dtype  # the serving dtype (bf16 on a CPU that has it)
+        rows = {n: torch.randn(1, n, hidden, device=device, dtype=dtype) for n in sizes}
         for _ in range(repeats):
             for n in sizes:
                 started = time.perf_counter()

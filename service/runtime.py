@@ -64,6 +64,14 @@ class Runtime:
             cache_dir=settings.cache_dir,
             pack_cpu_weights=settings.pack_cpu_weights,
         )
+        # say which dtype `auto` chose: bf16 on a CPU with native bf16 matmuls, fp32 on one without
+        log.info(
+            "target %s in %s on %s (--dtype %s)",
+            target.identity,
+            str(target.model.dtype).removeprefix("torch."),
+            target.device,
+            settings.dtype,
+        )
         draft = None
         if settings.draft_model:
             draft = load_model(
