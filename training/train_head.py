@@ -406,8 +406,11 @@ def model_card(report: dict, config: DraftHeadConfig) -> str:
         if init
         else ""
     )
+    # the corpus shards it trained on: a reproduction must not write more first (the default is 24)
+    shards = len(report["data"]["files"]) if "data" in report else None
     command = (
         "python -m training"
+        + (f" --shards {shards}" if shards else "")
         + (
             f" --init-from {init} --lr {report['config']['lr']} --epochs {report['config']['epochs']:g}"
             if init
