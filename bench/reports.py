@@ -315,20 +315,30 @@ def _head_cost(report: dict) -> dict | None:
 
 
 def _speed_reason(report: dict, row: dict) -> str:
-    """Why a head column runs at the speed it does: tokens per forward against what a round costs."""
+    """Why a head column runs at the speed it does: tokens per forward against what its rounds cost (a
+    forward over one token plus the draft tokens the column verified per round on average, and the head
+    steps that drafted them)."""
     cost = _head_cost(report)
     tpf = row["tokens_per_forward"]
     kept = f"{tpf:.2f} tokens per forward"
     if row.get("acceptance_rate") is not None:
         kept += f" ({row['acceptance_rate']:.0%} of draft tokens accepted)"
-    if not cost:
+    forwards = (report.get("profile") or {}).get("forward_seconds_by_tokens")
+    if not cost or not forwards or not row.get("target_forwards") or row.get("draft_tokens") is None:
         return kept
-    k = int(max(cost["seconds_by_tokens"], key=int))
-    round_cost = cost["full_draft_cost_ratio"] + k * cost["share_of_forward"]
+    drafted = row["draft_tokens"] / row["target_forwards"]  # draft tokens verified per round
+    points = sorted((int(n), s) for n, s in forwards.items())  # measured sizes, e.g. 1, 2, 4, 7 tokens
+    width = min(1 + drafted, points[-1][0])
+    (n0, s0), (n1, s1) = next(
+        ((a, b) for a, b in zip(points, points[1:], strict=False) if b[0] >= width), (points[-1], points[-1])
+    )
+    seconds = s0 if n1 == n0 else s0 + (width - n0) / (n1 - n0) * (s1 - s0)
+    forward = seconds / points[0][1]
+    round_cost = forward + drafted * cost["share_of_forward"]
     return (
-        f"{kept}; a full round costs a {k + 1}-token forward ({cost['full_draft_cost_ratio']:.2f}x a one-token "
-        f"one) plus {k} head steps ({k} x {cost['share_of_forward']:.1%}), about {round_cost:.2f} one-token "
-        f"forwards' time: a speedup of at most about {tpf / round_cost:.2f}x"
+        f"{kept}; a round verified {drafted:.2f} draft tokens on average: a {1 + drafted:.2f}-token forward "
+        f"({forward:.2f}x a one-token one) plus as many head steps (x {cost['share_of_forward']:.1%}), about "
+        f"{round_cost:.2f} one-token forwards' time: about {tpf / round_cost:.2f}x vanilla expected"
     )
 
 
