@@ -13,7 +13,11 @@ target preferred another, so the guard refuses it when it would start, end, brea
   "This", "However", ...), which are the formatting and connective rescues CSD is for; and inside a word that
   is a name or a number, any token that continues it (" Cur" + "ie" is not " Cur" + "ry");
 - a reference or quantity: one determiner for another (" a" -> " the", " some" -> " all"; "on a Saturday"
-  became "on the 1st of each month" after such a rescue).
+  became "on the 1st of each month" after such a rescue);
+- a sentence's end: a token that ends a sentence ('.', '!', '?') for one that does not, or the reverse. The
+  end of a sentence is where an answer may end, so a ',' kept where the target wanted '.' runs the answer on:
+  in the benchmark's unseen QA prompts it turned "... is the River Tessel." into "... River Tessel, which
+  carries snowmelt ... Kelvar." (14 -> 32 tokens), and a list of names into another list.
 Judged with the tokens before the rescue (the committed text and the draft kept so far) and the two tokens.
 Cheap by construction: one byte of flags per vocabulary token, computed once per tokenizer
 (`token_classes`), then a handful of lookups per refused-or-not rescue (`fact_refusal`). It is a
@@ -355,6 +359,7 @@ CONTINUES_WORD = 8  # starts with a letter or digit, no space before: it continu
 DETERMINER = 16  # " a", " the", " some", ...
 SPECIAL = 32  # a special token (end of turn, end of text, chat markers): the turn guard's concern
 WORD_START = 64  # starts with whitespace or is punctuation: the word before it has ended
+SENTENCE_END = 128  # ends with '.', '!' or '?' (closing quotes and brackets aside): a sentence may end here
 
 # how far back a word in progress is looked for (a name rarely takes more sub-word tokens than this)
 CONTEXT_TOKENS = 8
@@ -374,6 +379,8 @@ def _flags(token: str, text: str) -> int:
         flags |= CONTINUES_WORD
     else:
         flags |= WORD_START
+    if stripped.rstrip("\"')]").endswith((".", "!", "?")):
+        flags |= SENTENCE_END
     word = stripped.strip('.,;:!?"()[]').lower()
     if word in DETERMINERS and starts_with_space:
         flags |= DETERMINER
@@ -437,18 +444,21 @@ def fact_refusal(classes: TokenClasses, before: Sequence[int], draft: int, top: 
 
     "fact": either token is a number, date, negation or name; "number": after a digit, either token joins
     digits or continues the number ("2" "." vs "2" ","); "word": inside a word that is a name or a number,
-    either token continues it; "determiner": one determiner for another.
+    either token continues it; "determiner": one determiner for another; "sentence": exactly one of the two
+    ends a sentence (judged after "number", so a '.' between digits is a number's).
     """
     d, t = classes[draft], classes[top]
     if (d | t) & FACT:
         return "fact"
     if d & t & DETERMINER:
         return "determiner"
-    if not before:
-        return None
-    last = classes[before[-1]]
+    last = classes[before[-1]] if before else 0
     if last & DIGIT_END and (d | t) & (NUMBER_JOIN | CONTINUES_WORD):
         return "number"
+    if (d ^ t) & SENTENCE_END:
+        return "sentence"
+    if not before:
+        return None
     if (d | t) & CONTINUES_WORD:
         # the word the rescue would continue: back over the tokens that continue it, to the one that began it
         for token in reversed(before[-CONTEXT_TOKENS:]):

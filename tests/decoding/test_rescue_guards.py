@@ -72,7 +72,8 @@ def test_a_guard_is_asked_only_when_both_gates_pass():
 # ---------------------------------------------------------------- the fact guard, hand-built vocabulary
 
 TEXTS = ["room", " ", "2", ".", ",", "1", "7", " on", " a", " the", " Cur", "ie", "ry", " colour", " color",
-         " is", "\n", " Saturday", " May", " may", " not", "st", " and", " Paris", " London", "ing", " walk"]  # fmt: skip
+         " is", "\n", " Saturday", " May", " may", " not", "st", " and", " Paris", " London", "ing", " walk",
+         "!"]  # fmt: skip
 ID = {t: i for i, t in enumerate(TEXTS)}
 HAND = TokenClasses.from_texts(TEXTS)
 
@@ -95,12 +96,17 @@ def ids(*texts: str) -> list[int]:
         ((" Cur",), " is", "ie", "word"),  # ends a name the target continued
         ((" is",), " not", " a", "fact"),  # negation
         ((" walk",), " Paris", " London", "fact"),  # names
+        # a sentence's end: where an answer may end ("... River Tessel." ran on as "... River Tessel, which")
+        ((" Paris",), ",", ".", "sentence"),
+        ((), ",", ".", "sentence"),
+        ((" walk",), ".", " and", "sentence"),  # ends a sentence the target went on with
+        ((" walk",), "!", ",", "sentence"),
         # what CSD is for: spelling, punctuation, formatting, a verb's form
         ((" the",), " colour", " color", None),
-        ((" Paris",), ",", ".", None),  # punctuation after a name ends it either way
         ((" walk",), "\n", " on", None),
         ((" walk",), "ing", " on", None),  # a common word's ending
-        ((), ",", ".", None),
+        ((" walk",), ",", " and", None),  # a connective for a comma
+        ((" walk",), "!", ".", None),  # both end the sentence
         ((" may",), " walk", " is", None),  # "may" the verb is no date
     ],
 )
@@ -128,7 +134,11 @@ def test_fact_refusal_on_smollm2_token_ids(embedded):
     comma, dot = last_id(tok, "2,"), last_id(tok, "2.")
     assert tok.decode([comma]) == "," and tok.decode([dot]) == "."
     assert fact_refusal(classes, room_2, comma, dot) == "number"
-    assert fact_refusal(classes, tok.encode("in Paris", add_special_tokens=False), comma, dot) is None
+    # after a name the two end it either way, but only the '.' ends the sentence (and may end the answer)
+    assert fact_refusal(classes, tok.encode("in Paris", add_special_tokens=False), comma, dot) == "sentence"
+    semicolon = last_id(tok, "Paris;")
+    assert tok.decode([semicolon]) == ";"
+    assert fact_refusal(classes, tok.encode("in Paris", add_special_tokens=False), comma, semicolon) is None
     the, a = last_id(tok, "on the"), last_id(tok, "on a")
     assert fact_refusal(classes, tok.encode("on", add_special_tokens=False), the, a) == "determiner"
     curie = tok.encode("Eve Curie", add_special_tokens=False)  # 'E' 've' ' Cur' 'ie'
