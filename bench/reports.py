@@ -314,6 +314,14 @@ def _head_cost(report: dict) -> dict | None:
     return {**cost, "full_draft_cost_ratio": profile["full_draft_cost_ratio"]}
 
 
+def _interpolate(points: list[tuple[int, float]], x: float) -> float:
+    """The value at x on the line through sorted (x, y) points, held flat beyond the last one."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1:
+            return y0 + (max(x, x0) - x0) / (x1 - x0) * (y1 - y0)
+    return points[-1][1]
+
+
 def _speed_reason(report: dict, row: dict) -> str:
     """Why a head column runs at the speed it does: tokens per forward against what its rounds cost (a
     forward over one token plus the draft tokens the column verified per round on average, and the head
@@ -328,12 +336,7 @@ def _speed_reason(report: dict, row: dict) -> str:
         return kept
     drafted = row["draft_tokens"] / row["target_forwards"]  # draft tokens verified per round
     points = sorted((int(n), s) for n, s in forwards.items())  # measured sizes, e.g. 1, 2, 4, 7 tokens
-    width = min(1 + drafted, points[-1][0])
-    (n0, s0), (n1, s1) = next(
-        ((a, b) for a, b in zip(points, points[1:], strict=False) if b[0] >= width), (points[-1], points[-1])
-    )
-    seconds = s0 if n1 == n0 else s0 + (width - n0) / (n1 - n0) * (s1 - s0)
-    forward = seconds / points[0][1]
+    forward = _interpolate(points, 1 + drafted) / points[0][1]
     round_cost = forward + drafted * cost["share_of_forward"]
     return (
         f"{kept}; a round verified {drafted:.2f} draft tokens on average: a {1 + drafted:.2f}-token forward "

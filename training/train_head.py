@@ -406,11 +406,9 @@ def model_card(report: dict, config: DraftHeadConfig) -> str:
         if init
         else ""
     )
-    # the corpus shards it trained on: a reproduction must not write more first (the default is 24)
-    shards = len(report["data"]["files"]) if "data" in report else None
+    # --shards: the corpus shards it trained on (a reproduction must not write more first; the default is 24)
     command = (
-        "python -m training"
-        + (f" --shards {shards}" if shards else "")
+        f"python -m training --shards {len(report['data']['files'])}"
         + (
             f" --init-from {init} --lr {report['config']['lr']} --epochs {report['config']['epochs']:g}"
             if init

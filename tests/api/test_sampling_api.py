@@ -289,7 +289,7 @@ def test_logit_bias_min_tokens_ignore_eos_and_stop_token_ids(client, model, toke
             temperature=0,
             logprobs=True,
             extra_body={"speculative": strict},
-        )  # fmt: skip
+        )
         .choices[0]
         .logprobs.content
     )
