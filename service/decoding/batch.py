@@ -7,8 +7,8 @@ explained there). Each `step()`:
    the chunk) stay within `max_batched_tokens`, and one chunk per step, so a long prompt delays the
    others' next round by one bounded chunk forward, never by its whole prefill;
 2. runs one decoding round for every running row (`_round`, read top to bottom): every drafter proposes
-   for its rows, the draft policy picks each row's draft cap from that row's own acceptance and the
-   batch's forward cost (all 0 when speculation does not pay at this batch size), one target forward
+   for its rows, the draft policy picks the round's draft cap from the rows' own acceptance and the
+   batch's forward cost (0 when speculation does not pay at this batch size), one target forward
    verifies [last token, draft] of every row, and each
    row verifies, rescues (CSD) and emits on its own logits as if it ran alone;
 3. drops the rows that finished.
@@ -235,7 +235,7 @@ class Batch:
         # 1. draft: every drafter proposes for its rows, up to each row's budget; a constrained row checks its
         # draft against its grammar (cut at a forbidden token, forced tokens drafted for free)
         drafts = [g.constrain(d) for g, d in zip(rows, self._propose(), strict=True)]
-        # 2. cap: each row's draft cap, from its own acceptance and the batch's forward cost (0: a plain step)
+        # 2. cap: the round's draft cap, from the rows' own acceptance and the batch's forward cost (0: plain)
         drafts = self._cap(rows, drafts)
         # 3. verify: one target forward over [last committed token, draft] of every row
         feeds = [g.round_tokens(d) for g, d in zip(rows, drafts, strict=True)]

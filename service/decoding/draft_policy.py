@@ -14,8 +14,9 @@ prior, so they follow a workload that changes. The cost table c(n) is measured o
 round.
 
 In a batch (`choose_rows`) each row's survival is its own: the drafter's per-key rates as a prior, updated
-by the row's decayed tallies, so a sequence whose drafter does well keeps drafting beside one whose drafter
-misses; the padded forward's width (the largest cap) is chosen for the batch's measured cost c(rows, 1 + K).
+by the row's decayed tallies, so a sequence whose drafter does well is what the batch's draft cap K is
+chosen for, and one whose drafter misses does not drag it to 0; K is chosen for the batch's measured cost
+c(rows, 1 + K) of the padded forward, and every speculating row verifies up to K of its draft.
 
 When the policy chooses l = 0 it still learns nothing about drafting, so every `explore_every`-th such
 decision verifies the draft anyway (a counter, not a random draw: sampling streams stay reproducible).
@@ -63,10 +64,6 @@ class _Survival:
 # The drafter's per-key rates count as this many rounds of a row's own evidence: a sequence's own acceptance
 # takes over after a few rounds (its decay is faster than the policy's, see RowAcceptance).
 ROW_PRIOR_WEIGHT = 1.0
-# A row's draft positions whose survival estimate is below this are not verified: each costs the row's
-# verification work (an argmax or a softmax over the vocabulary) for under a tenth of a token, and hands a
-# lossy rule (csd) a token the target would most likely not choose.
-MIN_ROW_SURVIVAL = 0.1
 
 
 class RowAcceptance:
@@ -158,9 +155,14 @@ class DraftPolicy:
         misses stops although it usually hits. The batch's forward is padded to 1 + K tokens per row
         (batch_kv.py), so it costs c(rows, 1 + K) whichever rows fill the width: K maximises
         (rows + sum_r sum_{i <= min(K, len_r)} P_r(i)) / c(rows, 1 + K), and K = 0 (a plain step for all)
-        wins whenever the drafts do not pay for the wider forward. Row r then verifies min(K, len_r, L_r),
-        where L_r drops its draft tail whose survival P_r(i) is below `MIN_ROW_SURVIVAL`: those tokens
-        would almost surely be rejected, and a lossy rule (csd) should not be handed them to rescue.
+        wins whenever the drafts do not pay for the wider forward. Row r then verifies min(K, len_r).
+
+        No row verifies less than that: the forward is 1 + K wide whichever rows fill it, so a row's shorter
+        cap saves no forward time and only loses its chance of more tokens; and where a row alone sets the
+        width (one row), K already weighs each extra token's survival against c(1 + K). An earlier per-row
+        tail cut (survival below 10 %) overrode that choice: in bf16 at one row it cost about 5 % of the
+        tokens per forward (docs/benchmarks.md). Which tokens a lossy rule (csd) may keep is its gates'
+        business (OCM, SCG, guards), not this speed policy's.
         """
         lengths = [offer.length for offer in offers]
         longest = max(lengths, default=0)
@@ -187,11 +189,7 @@ class DraftPolicy:
                 if self._skipped % self.explore_every == 0:  # explore: every draft in full
                     return [min(length, longest) for length in lengths]
                 return [0] * len(offers)
-        caps = []
-        for probs in prefix:
-            worth = sum(1 for p in probs[:best_len] if p >= MIN_ROW_SURVIVAL)
-            caps.append(worth)
-        return caps
+        return [min(best_len, length) for length in lengths]
 
     def _prefix(self, offer: RowOffer, length: int) -> list[float]:
         """P(first i kept), i = 1..length, for one row (call with the lock held)."""

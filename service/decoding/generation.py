@@ -138,7 +138,7 @@ class Generation:
                 self.generator.seed()
         self.drafter = drafter if spec.speculates else None
         self.policy = policy or DraftPolicy()
-        self.acceptance = RowAcceptance()  # this sequence's own draft survival: its per-row draft cap
+        self.acceptance = RowAcceptance()  # this sequence's own draft survival: its say in the draft cap
         # the engine's cache of earlier prompts' KV blocks (None: prefill every prompt in full)
         self.prefix_cache = prefix_cache
         # tokens that end the generation without being part of it: EOS (unless ignored) and stop_token_ids
