@@ -271,6 +271,7 @@ def load_model(
     cache_dir: Path | None = None,
     trust_remote_code: bool = False,
     pack_cpu_weights: bool = True,
+    batch_invariant: bool = True,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer. device: "cpu", "cuda", "cuda:1", or "auto" (device_map="auto").
 
@@ -278,7 +279,10 @@ def load_model(
     (`cpu_kernels.default_cpu_dtype`); strict speculative decoding is exact in both (`batch_invariant`).
     `pack_cpu_weights`: an fp32 model on the CPU gets its linear layers packed for oneDNN (see
     `cpu_kernels`): multi-token forwards, which speculation and batching run, get much cheaper. A bf16 CPU
-    model is made batch-invariant (`batch_invariant`), always."""
+    model is made batch-invariant (`batch_invariant`) unless `batch_invariant=False`: only for a model whose
+    outputs are compared with nothing, such as the training corpus writer (row-aligned attention gathers every
+    padded row's keys per layer and step: at 48 left-padded rows of 230-460 prompt tokens it decoded 3.4x
+    slower than SDPA)."""
     if dtype not in DTYPES:
         raise DecodingError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     cache_dir = cache_dir or default_cache_dir()
@@ -311,8 +315,10 @@ def load_model(
     model.eval()
     if pack_cpu_weights:
         pack_linear_layers(model)
-    # not an option: strict speculative decoding's equality with plain decoding depends on it in bf16
-    make_batch_invariant(model)
+    # strict speculative decoding's equality with plain decoding depends on it in bf16: every model that
+    # serves or drafts keeps it
+    if batch_invariant:
+        make_batch_invariant(model)
     if revision == "hub":
         revision = str(getattr(model.config, "_commit_hash", None) or "hub")
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, revision=revision)

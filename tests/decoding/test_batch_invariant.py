@@ -29,8 +29,11 @@ def test_a_bf16_cpu_model_is_made_batch_invariant(bf16):
     assert bf16.model.config._attn_implementation == ATTENTION
     assert not any(type(m) is torch.nn.Linear for m in bf16.model.modules())
     assert any(isinstance(m, RowInvariantLinear) for m in bf16.model.modules())
-    # a fp32 model keeps its own kernels
+    # a fp32 model keeps its own kernels, and so does a bf16 one loaded to write text compared with nothing
     assert load_model("embedded", dtype="float32").model.config._attn_implementation != ATTENTION
+    writer = load_model("embedded", dtype="bfloat16", batch_invariant=False).model
+    assert writer.config._attn_implementation != ATTENTION
+    assert not any(isinstance(m, RowInvariantLinear) for m in writer.modules())
 
 
 def test_a_chunk_gives_the_bits_of_one_token_forwards(bf16):
