@@ -105,9 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     # the writer loads only when a shard is still to be written: a resumed run may need none
     # it writes text that is compared with nothing, so it keeps torch's fast kernels (SDPA), not the batch-
     # invariant ones serving needs: 3.4x faster at the corpus' batch shapes (service/decoding/models.py)
-    writer = functools.cache(
-        lambda: load_model(args.model, dtype=args.generate_dtype, batch_invariant=False)
-    )
+    writer = functools.cache(lambda: load_model(args.model, dtype=args.generate_dtype, batch_invariant=False))
 
     target = load_model(args.model)
     banned = bench_ngrams()
