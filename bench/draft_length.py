@@ -1,0 +1,85 @@
+"""Would a longer draft pay? Strict SD at several draft lengths k, timing-free: tokens per target forward and
+the speedup the measured cost table predicts (every round's forward priced at c(1 + verified) / c(1)), for
+a fixed draft and for the served adaptive policy; wall tok/s beside them, for what it is worth on a busy
+machine.
+
+    python -m bench.draft_length --k 6,10,16 --workloads grounded --limit 8 --threads 1
+
+Greedy strict SD writes vanilla's tokens whatever k is, so tokens per forward and the cost table's figure do
+not depend on load; only the wall column does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parser = argparse.ArgumentParser(prog="python -m bench.draft_length", description=__doc__.split("\n")[0])
+    parser.add_argument("--k", default="6,10,16", help="comma-separated draft lengths")
+    parser.add_argument("--workloads", default="grounded,chat")
+    parser.add_argument("--limit", type=int, default=8, help="prompts per workload")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--drafters", default="combined,ngram", help="ngram, head and/or combined")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from bench.machine import describe, one_line
+    from bench.workloads import load_workload
+    from service.decoding import Engine, Method, SamplingParams, SpeculativeConfig, load_model, run_alone
+    from service.decoding.draft_head import EMBEDDED_HEAD_DIR
+    from service.decoding.draft_policy import DraftPolicy, measure_forward_costs
+    from service.decoding.drafters.combined import CombinedDrafter
+    from service.decoding.drafters.head import HeadDrafter
+    from service.decoding.drafters.ngram import NgramDrafter
+
+    torch.set_num_threads(args.threads)
+    ks = [int(k) for k in args.k.split(",")]
+    target = load_model("embedded")
+    ngram = NgramDrafter(1, 4)
+    head = HeadDrafter(target, EMBEDDED_HEAD_DIR)
+    drafters = {"ngram": ngram, "head": head, "combined": CombinedDrafter(ngram, head)}
+    costs = measure_forward_costs(target.model, max(ks) + 1)
+    one = costs(1, 1)
+    print(f"Machine: {one_line(describe())}; target {target.model.dtype}")
+    print(f"Command: python -m bench.draft_length {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(
+        "Cost table c(n) / c(1): " + " ".join(f"{n}:{costs(1, n) / one:.3f}" for n in range(1, max(ks) + 2))
+    )
+    print("| workload | drafter | k | policy | tok/fwd | predicted speedup | wall tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for workload in args.workloads.split(","):
+        prompts = [p.token_ids(target.tokenizer) for p in load_workload(workload, args.limit)]
+        for drafter in args.drafters.split(","):
+            for k in ks:
+                for adaptive in (False, True):
+                    engine = Engine(target, dict(drafters), policy=DraftPolicy(costs) if adaptive else None)
+                    config = SpeculativeConfig(method=Method.SD, num_speculative_tokens=k)
+                    tokens = forwards = 0
+                    priced = wall = 0.0
+                    for ids in prompts:
+                        started = time.perf_counter()
+                        generation = engine.generate(
+                            ids, SamplingParams(max_tokens=args.max_tokens), config, drafter=drafter
+                        )
+                        for step in run_alone(generation):
+                            tokens += len(step.tokens)
+                            forwards += 1
+                            priced += costs(1, 1 + step.round.num_draft_tokens)
+                        wall += time.perf_counter() - started
+                    print(
+                        f"| {workload} | {drafter} | {k} | {'adaptive' if adaptive else 'fixed'} | "
+                        f"{tokens / forwards:.3f} | {tokens * one / priced:.2f}x | {tokens / wall:.1f} |",
+                        flush=True,
+                    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
