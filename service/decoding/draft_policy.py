@@ -144,15 +144,15 @@ class DraftPolicy:
         return max(self.choose_rows(offers, rows, max_len), default=0)
 
     def choose_rows(self, offers: Sequence[RowOffer], rows: int, max_len: int | None = None) -> list[int]:
-        """Each speculating row's draft cap for this round, from its own acceptance and the batch's forward
-        cost.
+        """Each speculating row's draft cap for this round (the batch's cap K, or its shorter draft), from
+        the rows' own acceptance and the batch's forward cost.
 
         `offers` holds one `RowOffer` per speculating row; `rows` counts every row of the batch, speculating
         or not. Row r keeps its first i draft tokens with probability P_r(i), the product of its survival
         rates: the drafter's per-key rates (what every sequence taught the policy) as a prior of weight
         `ROW_PRIOR_WEIGHT`, updated by the row's own decayed tallies (`RowAcceptance`), so a sequence whose
-        drafter does well keeps drafting even where that drafter usually misses, and one whose drafter
-        misses stops although it usually hits. The batch's forward is padded to 1 + K tokens per row
+        drafter does well keeps the batch drafting even where that drafter usually misses, and a batch whose
+        rows all miss decodes plainly although their drafter usually hits. The batch's forward is padded to 1 + K tokens per row
         (batch_kv.py), so it costs c(rows, 1 + K) whichever rows fill the width: K maximises
         (rows + sum_r sum_{i <= min(K, len_r)} P_r(i)) / c(rows, 1 + K), and K = 0 (a plain step for all)
         wins whenever the drafts do not pay for the wider forward. Row r then verifies min(K, len_r).

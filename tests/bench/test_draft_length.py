@@ -32,6 +32,6 @@ def test_draft_lengths_are_compared_fixed_and_adaptive():
     ]
     for row in rows:
         tokens_per_forward, predicted = float(row[4]), float(row[5].rstrip("x"))
-        # a grounded answer copies from its passage: prompt lookup keeps some draft tokens, never less than none
+        # every forward emits at least its own token and at most the draft plus one
         assert 1.0 <= tokens_per_forward <= 1 + int(row[2])
         assert predicted > 0
