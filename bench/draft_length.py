@@ -16,20 +16,54 @@ import os
 import sys
 import time
 
+DRAFTERS = ("ngram", "head", "combined")
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated draft lengths, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"draft lengths must be >= 1, got {text!r}")
+    return values
+
+
+def _drafters(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or any(n not in DRAFTERS for n in names):
+        raise argparse.ArgumentTypeError(f"expected drafters from {','.join(DRAFTERS)}, got {text!r}")
+    return names
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from bench.cli import _workloads  # the main bench's workload check: one list of names, one message
+
     parser = argparse.ArgumentParser(prog="python -m bench.draft_length", description=__doc__.split("\n")[0])
-    parser.add_argument("--k", default="6,10,16", help="comma-separated draft lengths")
-    parser.add_argument("--workloads", default="grounded,chat")
-    parser.add_argument("--limit", type=int, default=8, help="prompts per workload")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--drafters", default="combined,ngram", help="ngram, head and/or combined")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--k", type=_lengths, default="6,10,16", help="comma-separated draft lengths")
+    parser.add_argument("--workloads", type=_workloads, default="grounded,chat")
+    parser.add_argument("--limit", type=_positive, default=8, help="prompts per workload")
+    parser.add_argument("--max-tokens", type=_positive, default=128)
+    parser.add_argument(
+        "--drafters", type=_drafters, default="combined,ngram", help="ngram, head and/or combined"
+    )
+    parser.add_argument("--threads", type=_positive, default=1)
     args = parser.parse_args(argv)
 
     import torch
 
+    from bench.config import BenchConfig
     from bench.machine import describe, one_line
     from bench.workloads import load_workload
     from service.decoding import Engine, Method, SamplingParams, SpeculativeConfig, load_model, run_alone
@@ -40,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     from service.decoding.drafters.ngram import NgramDrafter
 
     torch.set_num_threads(args.threads)
-    ks = [int(k) for k in args.k.split(",")]
+    ks = args.k
     target = load_model("embedded")
-    ngram = NgramDrafter(1, 4)
+    defaults = BenchConfig()  # the service's n-gram settings, as the main bench uses them
+    ngram = NgramDrafter(defaults.ngram_min, defaults.ngram_max)
     head = HeadDrafter(target, EMBEDDED_HEAD_DIR)
     drafters = {"ngram": ngram, "head": head, "combined": CombinedDrafter(ngram, head)}
     costs = measure_forward_costs(target.model, max(ks) + 1)
@@ -54,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| workload | drafter | k | policy | tok/fwd | predicted speedup | wall tok/s |")
     print("|---|---|---|---|---|---|---|")
-    for workload in args.workloads.split(","):
+    for workload in args.workloads:
         prompts = [p.token_ids(target.tokenizer) for p in load_workload(workload, args.limit)]
-        for drafter in args.drafters.split(","):
+        for drafter in args.drafters:
             for k in ks:
                 for adaptive in (False, True):
                     engine = Engine(target, dict(drafters), policy=DraftPolicy(costs) if adaptive else None)

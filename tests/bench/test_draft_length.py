@@ -35,3 +35,21 @@ def test_draft_lengths_are_compared_fixed_and_adaptive():
         # every forward emits at least its own token and at most the draft plus one
         assert 1.0 <= tokens_per_forward <= 1 + int(row[2])
         assert predicted > 0
+
+
+def test_bad_options_are_one_line_and_exit_2():
+    for bad in (
+        ["--k", "6,x"],
+        ["--k", "0"],
+        ["--limit", "0"],
+        ["--workloads", "poetry"],
+        ["--drafters", "oracle"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.draft_length", *bad],
+            cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )  # fmt: skip
+        assert done.returncode == 2, bad
+        assert "Traceback" not in done.stderr and done.stderr.strip().splitlines()[-1].startswith(
+            "python -m bench.draft_length: error:"
+        )
