@@ -8,9 +8,12 @@ differences grow to ~0.05 in the logits and flip real near-ties: with torch's st
 plain decoding on only 7 of 24 bench runs. So instead of tolerating the differences, this module removes them.
 What differs, measured on the embedded model (one thread, AVX512-BF16, torch 2.13):
 
-- **One-row matmuls.** oneDNN's bf16 matmul gives each row the same bits for any number of rows >= 2, but a
-  single row takes a matrix-vector path that sums in another order (1 ulp apart in ~3 % of rows).
-  `RowInvariantLinear` runs a single row as two (the row twice).
+- **Row counts.** oneDNN's bf16 matmul gives each row the same bits for any number of rows from 2 to 32, but
+  a single row takes a matrix-vector path that sums in another order (1 ulp apart in ~3 % of rows), and past
+  32 rows it switches to other blockings (33 to a few hundred rows one, larger counts others), each summing
+  differently: a batch verifying 7 rows x 7 tokens (49 rows) flipped near-ties the same rows alone did not.
+  `RowInvariantLinear` runs every matmul in blocks of 2 to 32 rows (a single row as the row twice), and
+  attention's two matmuls run in blocks of at most 32 queries, where every count gives the same bits.
 - **Attention.** torch's fused SDPA kernel sums a one-query attention differently from a k-query one; eager
   attention (matmul, softmax, matmul) does not, as long as a query's visible keys sit at the same positions of
   the key axis: keys masked at the end of the axis add exact zeros, keys masked in front of them (a batch's
@@ -18,12 +21,14 @@ What differs, measured on the embedded model (one thread, AVX512-BF16, torch 2.1
   gathers each row's visible keys to the front, in order, and pads the key axis to a multiple of 64 (so no
   length takes a scalar tail loop), then runs eager attention.
 
-With both, a 7-token chunk gives bit-identical logits to 7 one-token forwards, and a row of a padded batch to
-the same sequence alone (tests/decoding/test_batch_invariant.py). It costs little: the 7-token forward of the
-embedded model stays ~1.1x a one-token one (packed fp32: ~1.6x), and eager attention decodes faster here than
-SDPA, whose one-query bf16 path was slower than its 7-query one at 1,500 tokens of context. Prefill is eager
-too: 1,500 prompt tokens in one chunk took as long as fp32's (5.3 s vs SDPA bf16's 2.3 s) — the price of
-the guarantee, paid once per prompt.
+With both, a 7-token chunk gives bit-identical logits to 7 one-token forwards, a 48-token chunk too, and a row
+of a padded batch the bits of the same sequence alone (tests/decoding/test_batch_invariant.py). It costs
+little where it matters most: the 7-token forward of the embedded model stays ~1.1x a one-token one (packed
+fp32: ~1.6x), and eager attention decodes faster here than SDPA, whose one-query bf16 path was slower than its
+7-query one at 1,500 tokens of context. Wide forwards pay more, since the 32-row blocks re-read each weight
+matrix: the LM head over 112 rows took 37 ms instead of 17 (one thread), prefill's projections 3.5x their
+one-call time; and prefill is eager: 1,500 prompt tokens in one chunk took as long as fp32's (5.3 s vs SDPA
+bf16's 2.3 s, before the blocks) — the price of the guarantee.
 """
 
 from __future__ import annotations
@@ -41,11 +46,15 @@ log = logging.getLogger(__name__)
 
 ATTENTION = "csd_row_aligned"
 _KEY_BLOCK = 64  # key axis padded to a multiple of this: AVX512 lanes x unrolling, no scalar tail
+# the most rows (queries) one matmul call takes: oneDNN's bf16 kernels give a row the same bits for any count
+# from 2 to 32 and other bits past it (measured on AVX512-BF16, 1 and 2 threads)
+ROW_BLOCK = 32
 
 
 class RowInvariantLinear(torch.nn.Module):
-    """An `nn.Linear` whose output rows do not depend on how many rows run together: a single row is run as
-    two (the same row twice), so it takes the matrix-matrix kernel every multi-row call takes."""
+    """An `nn.Linear` whose output rows do not depend on how many rows run together: rows run in blocks of at
+    most ROW_BLOCK, and a block of one row as two (the same row twice), so every row takes the kernel a
+    2-row call takes."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -57,11 +66,14 @@ class RowInvariantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if rows.shape[0] == 1:
-            y = torch.nn.functional.linear(rows.expand(2, -1), self.weight, self.bias)[:1]
-        else:
-            y = torch.nn.functional.linear(rows, self.weight, self.bias)
+        blocks = [self._block(block) for block in rows.split(ROW_BLOCK)]
+        y = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _block(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] == 1:
+            return torch.nn.functional.linear(rows.expand(2, -1), self.weight, self.bias)[:1]
+        return torch.nn.functional.linear(rows, self.weight, self.bias)
 
 
 def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
@@ -156,12 +168,21 @@ def row_aligned_attention(
     key, value, mask = _aligned(key, value, attention_mask, query.shape[2])
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if mask is not None:
-        weights = weights + mask if mask.is_floating_point() else weights.masked_fill(~mask, float("-inf"))
-    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    output = torch.matmul(weights, value).transpose(1, 2).contiguous()
-    return output, weights
+    keys_t = key.transpose(2, 3)
+    outputs, all_weights = [], []
+    for first in range(0, query.shape[2], ROW_BLOCK):  # at most ROW_BLOCK queries a matmul (see ROW_BLOCK)
+        weights = torch.matmul(query[:, :, first : first + ROW_BLOCK], keys_t) * scaling
+        if mask is not None:
+            part = mask[:, :, first : first + ROW_BLOCK] if mask.shape[2] > 1 else mask
+            weights = (
+                weights + part if part.is_floating_point() else weights.masked_fill(~part, float("-inf"))
+            )
+        weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        outputs.append(torch.matmul(weights, value))
+        all_weights.append(weights)
+    if len(outputs) == 1:
+        return outputs[0].transpose(1, 2).contiguous(), all_weights[0]
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), torch.cat(all_weights, dim=2)
 
 
 AttentionInterface.register(ATTENTION, row_aligned_attention)

@@ -34,6 +34,7 @@ from service.decoding.fact_guard import fact_refusal
 from service.decoding.models import LoadedModel
 from service.decoding.prefix_cache import PrefixCache
 from service.decoding.processing import LogitsProcessing
+from service.decoding.scoring import top_logprobs
 from service.decoding.text import IncrementalDetokenizer, StopMatcher
 from service.decoding.types import (
     DecodingError,
@@ -242,7 +243,7 @@ class Generation:
         logprobs = logprobs.clamp_min(IMPOSSIBLE_LOGPROB)
         top_n = self.sampling.logprobs or 0
         if top_n:
-            values, ids = logprobs.topk(top_n, dim=-1)
+            values, ids = top_logprobs(logprobs, top_n)
             tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
         else:
             tops = [[] for _ in tokens]

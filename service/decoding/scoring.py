@@ -18,6 +18,14 @@ from service.decoding.models import LoadedModel
 CHUNK = 256
 
 
+def top_logprobs(logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `n` best (values, ids) per row, ties in id order: greedy's argmax takes the lowest id of a tie, so
+    the first alternative reported is the token greedy chose. `topk` orders ties arbitrarily, and bf16 logits
+    tie often (0.125 apart at magnitude 16-32)."""
+    values, ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    return values[..., :n], ids[..., :n]
+
+
 def prompt_logprobs(
     target: LoadedModel, ids: Sequence[int], top_n: int
 ) -> list[tuple[float, tuple[tuple[int, float], ...]] | None]:
@@ -36,7 +44,7 @@ def prompt_logprobs(
             following = tokens[0, start + 1 : stop + 1]
             chosen = logprobs.gather(1, following[:, None]).squeeze(1).tolist()
             if top_n:
-                values, top_ids = logprobs.topk(top_n, dim=-1)
+                values, top_ids = top_logprobs(logprobs, top_n)
                 tops = [
                     tuple(zip(i, v, strict=True))
                     for i, v in zip(top_ids.tolist(), values.tolist(), strict=True)

@@ -280,8 +280,9 @@ def test_batch_occupancy_is_served_as_kv_cache_usage(api_server: Server) -> None
     """vllm:kv_cache_usage_perc is the fraction of batch rows in use (the endpoint picker reads it)."""
     idle = api_server.metrics()
     assert idle.value("vllm:num_requests_running") == 0 and idle.value("vllm:kv_cache_usage_perc") == 0
-    # ignore_eos: the generation runs its whole budget, so it is still running when the metrics are read
-    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 48, "stream": True, "ignore_eos": True}
+    # ignore_eos and the server's whole cap (--max-tokens-cap 64): the generation is still running when the
+    # metrics are read (on a loaded machine 48 tokens were once done before the scrape answered)
+    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 64, "stream": True, "ignore_eos": True}
     body["speculative"] = {"method": "vanilla"}
     with api_server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
         for line in response.iter_lines():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from service.decoding.batch_invariant import ATTENTION, RowInvariantLinear
+from service.decoding.batch_invariant import ATTENTION, ROW_BLOCK, RowInvariantLinear
 from service.decoding.cpu_kernels import has_native_bf16
 from service.decoding.models import load_model
 from service.decoding.text import encode_chat
@@ -36,23 +36,54 @@ def test_a_bf16_cpu_model_is_made_batch_invariant(bf16):
     assert not any(isinstance(m, RowInvariantLinear) for m in writer.modules())
 
 
-def test_a_chunk_gives_the_bits_of_one_token_forwards(bf16):
-    ids = encode_chat(bf16.tokenizer, [{"role": "user", "content": "Explain how a bicycle gear works."}])
+def chunks_and_one_token_forwards(bf16, prompt: str, chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding of `prompt` one token a forward, then the same tokens fed again in chunks of the given
+    sizes after the same prefill: (chunked logits, one-token logits), position for position, as float."""
+    ids = encode_chat(bf16.tokenizer, [{"role": "user", "content": prompt}])
     model = bf16.model
     with torch.inference_mode():
         cache = DynamicCache()
         step = model(input_ids=torch.tensor([ids]), cache=cache).logits[0, -1]
         tokens, single = [], []
-        for _ in range(21):  # plain greedy decoding, one token a forward
+        for _ in range(sum(chunks)):
             tokens.append(int(step.argmax()))
             step = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache).logits[0, -1]
             single.append(step.float())
         chunked = DynamicCache()
         model(input_ids=torch.tensor([ids]), cache=chunked)
-        rows = [
-            model(input_ids=torch.tensor([tokens[i : i + 7]]), cache=chunked).logits[0] for i in (0, 7, 14)
-        ]
-    assert torch.equal(torch.cat(rows).float(), torch.stack(single))
+        rows, first = [], 0
+        for size in chunks:
+            rows.append(
+                model(input_ids=torch.tensor([tokens[first : first + size]]), cache=chunked).logits[0]
+            )
+            first += size
+    return torch.cat(rows).float(), torch.stack(single)
+
+
+def test_a_chunk_gives_the_bits_of_one_token_forwards(bf16):
+    chunked, single = chunks_and_one_token_forwards(bf16, "Explain how a bicycle gear works.", [7, 7, 7])
+    assert torch.equal(chunked, single)
+
+
+def test_rows_past_a_kernels_32_row_block_keep_the_bits_they_have_alone():
+    # oneDNN switches to another blocking past 32 rows, which sums a row in another order: a batch verifying
+    # 7 rows x 7 tokens flipped near-ties its rows alone did not. Blocks of at most ROW_BLOCK rows keep them.
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(1536, 576, generator=generator))
+    rows = torch.randn(100, 576, generator=generator).to(torch.bfloat16)
+    blocked = RowInvariantLinear(linear)
+    with torch.inference_mode():
+        alone = torch.cat([blocked(row[None]) for row in rows])
+        for count in (2, ROW_BLOCK, ROW_BLOCK + 1, 49, 100):
+            assert torch.equal(blocked(rows[:count]), alone[:count]), count
+
+
+def test_a_chunk_wider_than_a_row_block_gives_the_bits_of_one_token_forwards(bf16):
+    # a 48-token chunk: every projection and both attention matmuls run over more than ROW_BLOCK rows
+    chunked, single = chunks_and_one_token_forwards(bf16, "List ten animals and where they live.", [48])
+    assert len(chunked) > ROW_BLOCK and torch.equal(chunked, single)
 
 
 def test_a_padded_batch_row_gives_the_bits_of_the_row_alone(bf16):

@@ -16,7 +16,9 @@ from service.decoding import Engine, NgramDrafter, SamplingParams, SpeculativeCo
 from service.decoding.text import IncrementalDetokenizer, StopMatcher, encode_chat, encode_prompt
 
 METHODS = [("vanilla", 0), ("sd", 6)]
-CAPITAL = "What is the capital of France?"
+# answered in one sentence that ends by EOS ("The capital of Italy is Rome."). Not France: in bf16 its first
+# token is an exact tie ("The" and "L" both 25.625), and the answer that wins the tie runs on.
+CAPITAL = "What is the capital of Italy?"
 # a completion prompt that the model continues by repeating it: long multi-token rounds
 WEEK = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday, Wednesday,"
 MULTIBYTE = "😀🎉 café naïve 日本語 ½ Ωmega\n😀🎉 café naïve 日本語 ½ Ωmega\n😀🎉 café"
