@@ -3,7 +3,8 @@
 1. corpus: the target writes user turns and answers them (training.magpie)     --corpus/corpus-NNNN.jsonl.gz
    token ids and texts only, one shard at a time: `--budget-minutes` spreads generation over several runs
 2. features: teacher-forced target hidden states per shard (training.features)   work/features/NNNN.safetensors
-3. train the draft head (training.train_head)                                    work/head/
+3. train the draft head (training.train_head); its confidence is calibrated on,
+   and its card predicts from, prompts people wrote (training.unseen)             work/head/
 4. with --install: copy the head into the package, with its model card          --install-to
 
 Installing is opt-in: a head trained on a small corpus can be worse than the shipped one, so compare first
@@ -22,7 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
-from training import traffic
+from training import traffic, unseen
 
 DEFAULT_WORK = Path("training/runs/smollm2-135m")
 # The corpus is the expensive part (generation) and small as token ids: it is committed, so a later run
@@ -37,7 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="corpus shards (committed)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--shards", type=int, default=24, help="corpus shards to build (192 conversations each)"
+        "--shards",
+        type=int,
+        default=12,
+        help="corpus shards to train on, written first where missing (192 conversations each; the 12 committed "
+        "ones rebuild the shipped head, more grow the corpus)",
     )
     parser.add_argument(
         "--budget-minutes", type=float, default=None, help="stop starting corpus shards after this long"
@@ -57,7 +62,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=float, default=2.0)
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (lower for a fine-tune)")
     parser.add_argument("--head-name", default=None, help="the head's folder in the work folder")
-    parser.add_argument("--fuse-layers", action="store_true", help="EAGLE-3 style low+mid+final features")
+    parser.add_argument(
+        "--fuse-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="EAGLE-3 style low+mid+final features, as the shipped head (--no-fuse-layers: the final state only)",
+    )
     parser.add_argument(
         "--init-from", type=Path, default=None, help="start from this head (its weights and draft vocabulary)"
     )
@@ -133,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from training.train_head import TrainConfig, train
 
-    head_dir = work / (args.head_name or ("head-fused" if args.fuse_layers else "head"))
+    head_dir = work / (args.head_name or ("head" if args.fuse_layers else "head-final-only"))
     if not (head_dir / "model.safetensors").exists():
         config = TrainConfig(
             seed=args.seed,
@@ -144,7 +154,11 @@ def main(argv: list[str] | None = None) -> None:
             init_from=args.init_from,
             extend_vocab=args.extend_vocab,
         )
-        train(target, feature_files, head_dir, config)
+        # the head's confidence is calibrated, and its card predicts, on prompts people wrote (training.unseen)
+        calibration = {
+            name: unseen.features(target, name, work / "unseen") for name in unseen.CALIBRATION_SETS
+        }
+        train(target, feature_files, head_dir, config, unseen=calibration)
     _save_timings(work, timings)
     from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 

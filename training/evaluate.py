@@ -1,11 +1,11 @@
 """`python -m training.evaluate`: a draft head's teacher-forced figures on prompts no training corpus saw.
 
-The benchmark's own evaluation prompts (bench/data/chat.jsonl and grounded.jsonl; the corpus filter keeps
-every training prompt 8-word-disjoint from them) are answered greedily by the target in the serving dtype
-(exactly vanilla's output), their features computed as for training, and each head is scored with
+The benchmark's own evaluation prompts (training.unseen.EVALUATION_SETS; the corpus filter keeps every
+training prompt 8-word-disjoint from them) are answered greedily by the target in the serving dtype (exactly
+vanilla's output), their features computed as for training, and each head is scored with
 `train_head.evaluate`: accuracy per draft step and the tokens per target forward that serving with the head's
 own stop rule would give. Timing-free, so it is a fair comparison of heads on a busy machine, and it is the
-check of the model card's prediction (the card predicts from held-out corpus answers).
+check of the model card's prediction (the card predicts from the other prompts in training.unseen).
 
     python -m training.evaluate --head service/decoding/draft_heads/smollm2-135m-instruct --head OTHER
 """
@@ -19,23 +19,9 @@ from pathlib import Path
 
 import torch
 
+from training.unseen import EVALUATION_SETS
+
 WORK = Path("training/runs/unseen")
-
-
-def answers(target, workload: str, max_tokens: int, limit: int | None) -> list[dict]:
-    from bench.workloads import DATA_DIR, read_jsonl
-    from service.decoding.text import encode_chat
-    from training.sampling import decode_batch
-
-    items = read_jsonl(DATA_DIR / f"{workload}.jsonl")[:limit]
-    stop = target.eos_token_ids()
-    records = []
-    for first in range(0, len(items), 16):
-        chunk = items[first : first + 16]
-        prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": i["prompt"]}]) for i in chunk]
-        for prompt, (tokens, _) in zip(prompts, decode_batch(target, prompts, max_tokens, stop), strict=True):
-            records.append({"prompt_ids": prompt, "answer_ids": tokens})
-    return records
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--head", type=Path, action="append", required=True, help="a head folder (repeatable)"
     )
-    parser.add_argument("--workloads", default="chat,grounded")
+    parser.add_argument("--workloads", default=",".join(EVALUATION_SETS))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="prompts per workload")
     parser.add_argument("--threads", type=int, default=2)
@@ -69,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from service.decoding.draft_head import RecurrentDraftHead
     from service.decoding.models import load_model
-    from training.features import shard_features
+    from training import unseen
     from training.train_head import TrainConfig, _positions, evaluate, load_data
 
     target = load_model("embedded")
@@ -97,9 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"calibrated {str(folder):60s} {json.dumps(results[str(folder)]['calibration'])}", flush=True
             )
     for workload in args.workloads.split(","):
-        features = args.work / f"{workload}-{args.max_tokens}-{args.limit}.safetensors"
-        if not features.exists():
-            shard_features(target, answers(target, workload, args.max_tokens, args.limit), features)
+        features = unseen.features(target, workload, args.work, args.max_tokens, args.limit)
         for folder in args.head:
             head = RecurrentDraftHead.load(folder).bind(embed, lm_head)
             data, spans = load_data([features], fused=bool(head.config.feature_layers))

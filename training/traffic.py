@@ -136,7 +136,7 @@ def held_out_acceptance(target: LoadedModel, head_dir: Path, feature_file: Path)
     head.bind(
         model.get_input_embeddings().weight.detach().float(), model.get_output_embeddings().weight.float()
     )
-    data, spans = load_data([feature_file])
+    data, spans = load_data([feature_file], fused=bool(head.config.feature_layers))
     starts = _positions(spans)
     return evaluate(head, data, starts, torch.empty(0, dtype=torch.long), fine_tune_config())
 

@@ -108,9 +108,24 @@ def vocabulary_coverage(tokens: torch.Tensor, spans: list[tuple[int, int]], voca
     return float(torch.isin(labels, vocab).float().mean()) if len(labels) else 0.0
 
 
+def _spans_per_file(spans: list[tuple[int, int]], files: list[Path]) -> list[list[tuple[int, int]]]:
+    """`load_data`'s spans of several files, split back into one list per file (in prompt order)."""
+    from safetensors import safe_open
+
+    out, first = [], 0
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            count = f.get_slice("offsets").get_shape()[0] - 1
+        out.append(spans[first : first + count])
+        first += count
+    return out
+
+
 def _positions(spans: list[tuple[int, int]]) -> torch.Tensor:
     """Start positions with at least one label after them."""
-    return torch.cat([torch.arange(a, b - 1) for a, b in spans if b - a >= 2])
+    return torch.cat(
+        [torch.arange(a, b - 1) for a, b in spans if b - a >= 2] or [torch.zeros(0, dtype=torch.long)]
+    )
 
 
 def _unrolled_loss(
@@ -255,18 +270,33 @@ def fit_confidence_temperature(
     }
 
 
-def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig) -> dict:
+def train(
+    target: LoadedModel,
+    files: list[Path],
+    out: Path,
+    config: TrainConfig,
+    unseen: dict[str, Path] | None = None,
+) -> dict:
+    """Train a head on the feature `files` and write it, its training.json and model card to `out`.
+
+    `unseen`: feature files of prompts unlike the corpus, by name (training.unseen.CALIBRATION_SETS). Given,
+    the confidence temperature is fitted on their even-numbered answers and the card predicts serving from
+    their odd-numbered ones, per set; without them both come from held-out corpus answers, which flatter."""
     torch.manual_seed(config.seed)
     started = time.perf_counter()
+    start = RecurrentDraftHead.load(config.init_from) if config.init_from else None
+    if start is not None and start.config.feature_layers:  # a fused head stays fused (traffic fine-tunes)
+        config = dataclasses.replace(config, fuse_layers=True)
     data, spans = load_data(files, fused=config.fuse_layers)
     generator = torch.Generator().manual_seed(config.seed)
     order = torch.randperm(len(spans), generator=generator).tolist()
     held = max(1, int(len(spans) * config.holdout_share))
-    # held-out answers: one half calibrates the head's confidence, the other half is what the card reports
-    eval_spans = [spans[i] for i in order[: (held + 1) // 2]]
-    calibration_spans = [spans[i] for i in order[(held + 1) // 2 : held]] or eval_spans
+    # held-out answers: what the card reports on the corpus; without unseen prompts one half of them
+    # calibrates the head's confidence instead
+    split = held if unseen else (held + 1) // 2
+    eval_spans = [spans[i] for i in order[:split]]
+    calibration_spans = [spans[i] for i in order[split:held]] or eval_spans
     train_spans = [spans[i] for i in order[held:]]
-    start = RecurrentDraftHead.load(config.init_from) if config.init_from else None
     if start is not None:
         draft_vocab = start.draft_vocab
         if config.extend_vocab:
@@ -363,12 +393,26 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
             history.append(entry)
             log.info("%s", entry)
             running, window, tallies_sum = 0.0, 0, None
-    calibration = fit_confidence_temperature(head, data, calibration_starts)
+    predicted: dict[str, dict] = {}
+    if unseen:
+        names = list(unseen)
+        unseen_data, unseen_spans = load_data([unseen[n] for n in names], fused=config.fuse_layers)
+        per_set = _spans_per_file(unseen_spans, [unseen[n] for n in names])
+        fit_starts = _positions([s for spans_of in per_set for s in spans_of[0::2]])
+        calibration = fit_confidence_temperature(head, unseen_data, fit_starts)
+        calibration["on"] = "even-numbered answers of " + ", ".join(names)
+    else:
+        calibration = fit_confidence_temperature(head, data, calibration_starts)
+        calibration["on"] = "held-out corpus answers"
     head.config = dataclasses.replace(head.config, confidence_temperature=calibration["temperature"])
     log.info("confidence calibration: %s", calibration)
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=False):
         held_out = evaluate(head, data, eval_starts, remap, config)
+        if unseen:
+            for name, spans_of in zip(names, per_set, strict=True):
+                predicted[name] = evaluate(head, unseen_data, _positions(spans_of[1::2]), remap, config)
     log.info("held out: %s", held_out)
+    log.info("predicted on unseen prompts: %s", predicted)
     report = {
         "config": {**asdict(config), "init_from": str(config.init_from) if config.init_from else None},
         "data": {
@@ -381,6 +425,7 @@ def train(target: LoadedModel, files: list[Path], out: Path, config: TrainConfig
         "steps": steps,
         "final_loss": history[-1]["loss"] if history else None,
         "held_out": held_out,
+        "predicted_unseen": predicted,
         "confidence_calibration": calibration,
         "history": history,
         "seconds": round(time.perf_counter() - started, 1),
@@ -406,7 +451,7 @@ def model_card(report: dict, config: DraftHeadConfig) -> str:
         if init
         else ""
     )
-    # --shards: the corpus shards it trained on (a reproduction must not write more first; the default is 24)
+    # --shards: the corpus shards it trained on, named even where it is the default (which a corpus may outgrow)
     command = (
         f"python -m training --shards {len(report['data']['files'])}"
         + (
@@ -414,18 +459,18 @@ def model_card(report: dict, config: DraftHeadConfig) -> str:
             if init
             else ""
         )
-        + (" --fuse-layers" if config.feature_layers else "")
+        + ("" if config.feature_layers else " --no-fuse-layers")
     )
     features = (
-        f"the target's final hidden state fused with decoder layers {list(config.feature_layers)} (EAGLE-3)"
+        f"the target's final hidden state fused with the outputs of decoder layers {list(config.feature_layers)}\n(EAGLE-3's low, mid and high features)"
         if config.feature_layers
         else "the target's final hidden state"
     )
     return f"""# Recurrent draft head for {config.target_name}
 
 A drafter for speculative decoding with SmolLM2-135M-Instruct (the csd-serve embedded model). Architecture:
-`service/decoding/draft_head.py` (a recurrent head on {features}, ReDrafter-style, with a frequency-ranked
-draft vocabulary). {params / 1e6:.1f} M parameters of its own; the token embeddings and LM-head rows are the
+`service/decoding/draft_head.py`: a recurrent head on {features}, ReDrafter-style, with a frequency-ranked
+draft vocabulary. {params / 1e6:.1f} M parameters of its own; the token embeddings and LM-head rows are the
 target's and are not stored here.
 
 {start}- Data: self-distillation on a corpus the target wrote itself (`training/magpie.py`, Magpie): its own sampled
@@ -436,15 +481,53 @@ target's and are not stored here.
 - Draft vocabulary: {config.draft_vocab_size} tokens, covering {100 * report["data"]["draft_vocabulary_coverage"]:.1f} % of answer tokens.
 - Training: {report["steps"]} steps of {report["config"]["batch_size"]} start positions x {report["config"]["unroll"]}
   unrolled draft steps, AdamW lr {report["config"]["lr"]}, seed {report["config"]["seed"]},
-  {report["seconds"]:.0f} s on {report["torch_threads"]} CPU threads; final training loss {report["final_loss"]}.
-- Confidence: temperature {calibration["temperature"]} fitted on {calibration["positions"]} held-out positions
-  (expected calibration error {calibration["ece_before"]} -> {calibration["ece_after"]}); the stop rule reads it.
-- Held-out answers (teacher-forced, {held["positions"]} positions, not used for calibration): accuracy per
-  draft step {held["accuracy_per_step"]}; conditional acceptance {held["conditional_acceptance_per_step"]};
-  a full 6-token draft would give {held["expected_tokens_per_forward_k6"]} tokens per target forward.
-- **Predicted for serving** (greedy, `--drafter head`, the head's stop rule simulated):
-  {held["served_tokens_per_forward"]} tokens per target forward, {100 * held["served_acceptance"]:.1f} % of
-  {held["served_draft_length"]} drafted tokens per round accepted. The benchmark measures the same on prompts
-  the corpus never saw (docs/drafters.md).
+  {report["seconds"]:.0f} s on {report["torch_threads"]} CPU thread(s); final training loss {report["final_loss"]}.
+- Confidence: temperature {calibration["temperature"]} fitted on {calibration["positions"]} positions of
+  {calibration["on"]} (expected calibration error {calibration["ece_before"]} -> {calibration["ece_after"]});
+  the stop rule reads it.
+{_predicted_lines(report)}- Held-out corpus answers (teacher-forced, {held["positions"]} positions): accuracy per draft step
+  {held["accuracy_per_step"]}; conditional acceptance {held["conditional_acceptance_per_step"]}; a full
+  6-token draft would give {held["expected_tokens_per_forward_k6"]} tokens per target forward, serving with the
+  stop rule {held["served_tokens_per_forward"]}.{_corpus_caveat(report)}
 - Reproduce: `{command} --install` (docs/drafters.md).
 """
+
+
+def _served(figures: dict) -> str:
+    return (
+        f"{figures['served_tokens_per_forward']} tokens per target forward "
+        f"({100 * figures['served_acceptance']:.1f} % of {figures['served_draft_length']} drafted tokens per "
+        f"round accepted, {figures['positions']} positions)"
+    )
+
+
+def _predicted_lines(report: dict) -> str:
+    """The card's prediction: from prompts people wrote where the run had them (training.unseen), else from
+    held-out corpus answers."""
+    predicted = report.get("predicted_unseen") or {}
+    if not predicted:
+        return (
+            "- **Predicted for serving** (greedy, `--drafter head`, the head's stop rule simulated, "
+            f"teacher-forced on held-out corpus answers): {_served(report['held_out'])}.\n"
+        )
+    from training.unseen import KINDS
+
+    sets = "\n".join(
+        f"  - {KINDS.get(name, name)} (`bench/data/{name}.jsonl`): {_served(figures)}"
+        for name, figures in predicted.items()
+    )
+    return (
+        "- **Predicted for serving** (greedy, `--drafter head`, the head's stop rule simulated, teacher-forced)\n"
+        "  on prompts people wrote, which neither the corpus nor the confidence fit saw (the odd-numbered\n"
+        "  prompts of each set; training.unseen):\n"
+        f"{sets}\n"
+    )
+
+
+def _corpus_caveat(report: dict) -> str:
+    if not report.get("predicted_unseen"):
+        return ""
+    return (
+        "\n  The corpus is the target's own writing and easier than prompts people write: these figures are not "
+        "the prediction."
+    )

@@ -65,9 +65,11 @@ class FinalHiddenStates:
         self._final = args[0]
 
     def capture_layers(self, layers: tuple[int, ...]) -> None:
-        """Also keep these decoder layers' outputs (idempotent; one set per model)."""
+        """Also keep these decoder layers' outputs (idempotent; one set per model). A head that reads the final
+        state alone asks for none and takes `latest`'s last `d` features, so it drafts beside (or after a
+        reload from) a fused head."""
         layers = tuple(layers)
-        if layers == self.layers:
+        if layers == self.layers or not layers:
             return
         if self.layers:
             raise DecodingError(

@@ -253,3 +253,18 @@ def test_a_fused_head_is_handed_the_low_mid_and_final_states_of_the_verification
     other.save(tmp_path / "other")
     with pytest.raises(DecodingError, match="already captured"):
         HeadDrafter(model, tmp_path / "other")
+    # a head on the final state alone drafts beside it (or after a reload from it): it reads the last
+    # hidden_size features of what the fused capture hands over
+    final_only = RecurrentDraftHead(
+        DraftHeadConfig(**{**config.__dict__, "feature_layers": ()}), torch.tensor(vocab)
+    )
+    final_only.save(tmp_path / "final-only")
+    plain = HeadDrafter(model, tmp_path / "final-only")
+    g = Engine(model, {"head": plain}).generate(
+        [2, 3, 4, 5, 6], SamplingParams(max_tokens=12), SpeculativeConfig(method="sd"), "head"
+    )
+    list(run_alone(g))
+    assert g.stats.num_draft_tokens > 0
+    torch.testing.assert_close(
+        plain.head.initial_state(g.target_hidden), g.target_hidden[-config.hidden_size :]
+    )

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from service.decoding import Engine, HeadDrafter, SamplingParams, SpeculativeConfig, run_alone
 from service.decoding.text import encode_chat
@@ -26,6 +27,7 @@ from training.magpie import (
 )
 from training.overlap import bench_ngrams, ngrams, overlaps
 from training.sampling import decode_batch
+from training.traffic import held_out_acceptance
 from training.train_head import TrainConfig, rank_vocabulary, train
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -170,6 +172,15 @@ def test_training_writes_a_head_that_learned_and_loads(words, tmp_path, fused):
     assert "Predicted for serving" in card and json.loads((tmp_path / "head" / "training.json").read_text())
     saved = json.loads((tmp_path / "head" / "config.json").read_text())
     assert (saved["feature_layers"] != []) == fused
+    # a fine-tune that does not ask for fusion (what --from-traffic runs) keeps a fused start head fused, and
+    # the traffic report scores either kind
+    plain = TrainConfig(
+        **{**config.__dict__, "epochs": 0, "fuse_layers": False, "init_from": tmp_path / "head"}
+    )
+    train(words, [data], tmp_path / "again", plain)
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again["feature_layers"] == saved["feature_layers"]
+    assert held_out_acceptance(words, tmp_path / "again", data)["positions"] > 0
     assert history[-1]["train_accuracy_per_step"][0] > 0.8  # it fits its data
     # The service loads it, and serving feeds it what training did (the same features and token at each
     # step; an off-by-one would show here): on the prompts it was trained on, its drafts are accepted far
@@ -205,6 +216,56 @@ def test_training_writes_a_head_that_learned_and_loads(words, tmp_path, fused):
     before = json.loads((tmp_path / "small" / "config.json").read_text())["draft_vocab_size"]
     after = json.loads((tmp_path / "grown" / "config.json").read_text())["draft_vocab_size"]
     assert before == 4 < after <= 10
+
+
+def test_prompts_unlike_the_corpus_calibrate_the_head_and_give_the_cards_prediction(words, tmp_path):
+    generator = torch.Generator().manual_seed(1)
+    corpus = [torch.randint(2, 12, (5,), generator=generator).tolist() for _ in range(24)]
+    other = [torch.randint(2, 12, (3,), generator=generator).tolist() for _ in range(7)]
+    shard_features(words, _greedy_records(words, corpus, 16), tmp_path / "corpus.safetensors")
+    shard_features(words, _greedy_records(words, other, 12), tmp_path / "other.safetensors")
+    config = TrainConfig(epochs=5, batch_size=64, unroll=3, inner_size=64, draft_vocab=10, bf16=False)
+    report = train(
+        words,
+        [tmp_path / "corpus.safetensors"],
+        tmp_path / "head",
+        config,
+        unseen={"other": tmp_path / "other.safetensors"},
+    )
+    # start positions per answer (each has a label after it); answers 0, 2, 4, 6 fit the temperature,
+    # answers 1, 3, 5 are what the card predicts from
+    offsets = load_file(str(tmp_path / "other.safetensors"))["offsets"].tolist()
+    starts = [b - a - 1 for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    calibration, predicted = report["confidence_calibration"], report["predicted_unseen"]
+    assert calibration["positions"] == sum(starts[0::2]) and "other" in calibration["on"]
+    assert predicted["other"]["positions"] == sum(starts[1::2]) > 0
+    assert 1.0 <= predicted["other"]["served_tokens_per_forward"] <= 4.0
+    card = (tmp_path / "head" / "README.md").read_text()
+    assert (
+        "prompts people wrote" in card
+        and f"(`bench/data/other.jsonl`): {predicted['other']['served_tokens_per_forward']}" in card
+    )
+    assert "not the prediction" in card  # the held-out corpus figure is labelled as what it is
+    saved = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert saved["confidence_temperature"] == calibration["temperature"]
+
+
+def test_no_committed_corpus_turn_shares_8_words_with_a_bench_prompt():
+    # the wall between training and evaluation, checked on what is committed: a bench prompt added after a
+    # shard was written (calibration-chat.jsonl, say) must not have been seen by the corpus either
+    from training.__main__ import DEFAULT_CORPUS
+
+    banned = bench_ngrams()
+    shards = sorted(DEFAULT_CORPUS.glob("corpus-*.jsonl.gz"))
+    turns = [
+        m["content"]
+        for shard in shards
+        for r in read_shard(shard)
+        for m in r["messages"]
+        if m["role"] == "user"
+    ]
+    assert len(shards) >= 12 and len(turns) > 2000
+    assert [t for t in turns if overlaps(t, banned)] == []
 
 
 def test_the_draft_vocabulary_ranks_answer_tokens_by_frequency():
