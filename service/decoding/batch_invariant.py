@@ -25,10 +25,11 @@ With both, a 7-token chunk gives bit-identical logits to 7 one-token forwards, a
 of a padded batch the bits of the same sequence alone (tests/decoding/test_batch_invariant.py). It costs
 little where it matters most: the 7-token forward of the embedded model stays ~1.1x a one-token one (packed
 fp32: ~1.6x), and eager attention decodes faster here than SDPA, whose one-query bf16 path was slower than its
-7-query one at 1,500 tokens of context. Wide forwards pay more, since the 32-row blocks re-read each weight
-matrix: the LM head over 112 rows took 37 ms instead of 17 (one thread), prefill's projections 3.5x their
-one-call time; and prefill is eager: 1,500 prompt tokens in one chunk took as long as fp32's (5.3 s vs SDPA
-bf16's 2.3 s, before the blocks) — the price of the guarantee.
+7-query one at 1,500 tokens of context. Wide forwards pay more, since they run the small-row kernels block
+by block (Intel Xeon, one thread, the embedded model): a 200- or 600-token prefill 1.7x its one-call time, a
+16-row x 7-token verification 1.28x; a 1,500-token prefill got faster (4.85 vs 6.63 s: 32-query blocks keep
+eager attention's score matrices small). Prefill is eager anyway (SDPA bf16 took 2.3 s for those 1,500
+tokens): the price of the guarantee.
 """
 
 from __future__ import annotations
