@@ -81,7 +81,7 @@ async def reload_head(
             if not folder.is_dir():
                 raise DecodingError(f"{str(folder)!r} is not a folder")
             # loading reads the target's embeddings only: safe beside the engine thread's forwards
-            new = await asyncio.to_thread(HeadDrafter, runtime.target, folder)
+            new = await asyncio.to_thread(lambda: HeadDrafter(runtime.target, folder, reload=True))
         except Exception as exc:
             reloads.outcomes["failed"] += 1
             reason = str(exc) if isinstance(exc, DecodingError) else f"{type(exc).__name__}: {exc}"

@@ -268,3 +268,26 @@ def test_a_fused_head_is_handed_the_low_mid_and_final_states_of_the_verification
     torch.testing.assert_close(
         plain.head.initial_state(g.target_hidden), g.target_hidden[-config.hidden_size :]
     )
+
+
+def test_a_reload_to_a_head_fusing_layers_the_server_does_not_capture_is_refused(tmp_path):
+    # started with a final-state head, the server captures no decoder layer: a fused head swapped in between
+    # rounds would be handed the running head's features, so the reload is refused and the old head serves on
+    model = make_word_model(seed=6, layers=4)
+    vocab = torch.tensor(list(range(2, 12)))
+    config = DraftHeadConfig(
+        hidden_size=model.model.config.hidden_size,
+        inner_size=48,
+        num_blocks=2,
+        draft_vocab_size=len(vocab),
+        target_vocab_hash=vocabulary_hash(model.tokenizer),
+        target_name=model.name,
+    )
+    RecurrentDraftHead(config, vocab).save(tmp_path / "final")
+    fused = DraftHeadConfig(**{**config.__dict__, "feature_layers": (0, 2)})
+    RecurrentDraftHead(fused, vocab).save(tmp_path / "fused")
+    HeadDrafter(model, tmp_path / "final")
+    with pytest.raises(DecodingError, match="does not capture"):
+        HeadDrafter(model, tmp_path / "fused", reload=True)
+    assert model.final_hidden.layers == ()
+    HeadDrafter(model, tmp_path / "final", reload=True)  # the same kind reloads

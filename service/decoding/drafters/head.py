@@ -35,7 +35,10 @@ MIN_SURVIVAL = 0.2
 class HeadDrafter:
     name = "head"
 
-    def __init__(self, target: LoadedModel, folder: Path) -> None:
+    def __init__(self, target: LoadedModel, folder: Path, *, reload: bool = False) -> None:
+        """`reload`: the head will replace a running one between rounds, so it must read features the running
+        model already captures (hooks installed now would miss the forward in flight, and the rows hold the
+        running head's features)."""
         head = RecurrentDraftHead.load(folder)
         if head.config.target_vocab_hash != vocabulary_hash(target.tokenizer):
             raise DecodingError(
@@ -45,7 +48,15 @@ class HeadDrafter:
         if head.config.hidden_size != target.model.config.hidden_size:
             raise DecodingError("the draft head's hidden size does not match the target model's")
         model = target.model
-        target.final_hidden.capture_layers(head.config.feature_layers)  # what the batch hands the head
+        layers = tuple(head.config.feature_layers)
+        captured = target.final_hidden.layers
+        if reload and layers and layers != captured:
+            raise DecodingError(
+                f"the draft head in {str(folder)!r} fuses decoder layers {list(layers)}, which the running server "
+                f"does not capture (it captures {list(captured) or 'the final state only'}): start the server "
+                "with it (--draft-head) instead of reloading it"
+            )
+        target.final_hidden.capture_layers(layers)  # what the batch hands the head
         dtype = next(model.parameters()).dtype
         device = target.device
         head = head.to(device=device, dtype=dtype)
