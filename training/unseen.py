@@ -20,8 +20,10 @@ features computed as for training (training.features), cached by name in a work 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from service.decoding.models import LoadedModel
+if TYPE_CHECKING:  # the models load after `python -m training` has read its arguments (`--help` stays fast)
+    from service.decoding.models import LoadedModel
 
 CALIBRATION_SETS = ("calibration-chat", "calibration")
 EVALUATION_SETS = ("chat", "grounded")

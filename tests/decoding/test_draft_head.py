@@ -33,7 +33,9 @@ def words():
     return make_word_model(seed=11)
 
 
-def save_word_head(words, folder: Path, seed: int = 0, vocab: list[int] | None = None) -> Path:
+def save_word_head(
+    words, folder: Path, seed: int = 0, vocab: list[int] | None = None, feature_layers: tuple[int, ...] = ()
+) -> Path:
     """A random head for the word model (random everywhere, so its drafts vary), saved as the real files."""
     vocab = vocab or list(range(2, 12))
     config = DraftHeadConfig(
@@ -43,6 +45,7 @@ def save_word_head(words, folder: Path, seed: int = 0, vocab: list[int] | None =
         draft_vocab_size=len(vocab),
         target_vocab_hash=vocabulary_hash(words.tokenizer),
         target_name=words.name,
+        feature_layers=feature_layers,
     )
     torch.manual_seed(seed)
     head = RecurrentDraftHead(config, torch.tensor(vocab))
@@ -274,20 +277,9 @@ def test_a_reload_to_a_head_fusing_layers_the_server_does_not_capture_is_refused
     # started with a final-state head, the server captures no decoder layer: a fused head swapped in between
     # rounds would be handed the running head's features, so the reload is refused and the old head serves on
     model = make_word_model(seed=6, layers=4)
-    vocab = torch.tensor(list(range(2, 12)))
-    config = DraftHeadConfig(
-        hidden_size=model.model.config.hidden_size,
-        inner_size=48,
-        num_blocks=2,
-        draft_vocab_size=len(vocab),
-        target_vocab_hash=vocabulary_hash(model.tokenizer),
-        target_name=model.name,
-    )
-    RecurrentDraftHead(config, vocab).save(tmp_path / "final")
-    fused = DraftHeadConfig(**{**config.__dict__, "feature_layers": (0, 2)})
-    RecurrentDraftHead(fused, vocab).save(tmp_path / "fused")
-    HeadDrafter(model, tmp_path / "final")
+    HeadDrafter(model, save_word_head(model, tmp_path / "final"))
+    fused = save_word_head(model, tmp_path / "fused", feature_layers=(0, 2))
     with pytest.raises(DecodingError, match="does not capture"):
-        HeadDrafter(model, tmp_path / "fused", reload=True)
+        HeadDrafter(model, fused, reload=True)
     assert model.final_hidden.layers == ()
     HeadDrafter(model, tmp_path / "final", reload=True)  # the same kind reloads
