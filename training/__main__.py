@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         "--shards",
         type=int,
         default=12,
-        help="corpus shards to train on, written first where missing (192 conversations each; the 12 committed "
-        "ones rebuild the shipped head, more grow the corpus)",
+        help="corpus shards to train on, written first where missing (192 conversations each; the first 12 "
+        "rebuild the shipped head, more grow the corpus)",
     )
     parser.add_argument(
         "--budget-minutes", type=float, default=None, help="stop starting corpus shards after this long"
