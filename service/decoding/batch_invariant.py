@@ -161,7 +161,7 @@ def row_aligned_attention(
     scaling: float,
     dropout: float = 0.0,
     **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, None]:
     """Eager attention (transformers' `eager_attention_forward`) over row-aligned keys: query [B, Hq, T, D],
     key/value [B, Hkv, L, D], attention_mask [B, 1, T, L] (additive, eager's) or None."""
     if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
@@ -170,7 +170,7 @@ def row_aligned_attention(
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     keys_t = key.transpose(2, 3)
-    outputs, all_weights = [], []
+    outputs = []
     for first in range(0, query.shape[2], ROW_BLOCK):  # at most ROW_BLOCK queries a matmul (see ROW_BLOCK)
         weights = torch.matmul(query[:, :, first : first + ROW_BLOCK], keys_t) * scaling
         if mask is not None:
@@ -180,10 +180,9 @@ def row_aligned_attention(
             )
         weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
         outputs.append(torch.matmul(weights, value))
-        all_weights.append(weights)
-    if len(outputs) == 1:
-        return outputs[0].transpose(1, 2).contiguous(), all_weights[0]
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), torch.cat(all_weights, dim=2)
+    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    # no attention weights (as SDPA): nothing here asks for them, and a long prefill's would be [T, T] a head
+    return output.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION, row_aligned_attention)
