@@ -105,6 +105,11 @@ class NamespacedMemory:
         self.store = store
         self.namespace = namespace
 
+    def rebind(self, namespace: Namespace) -> None:
+        """Count for another model pair from now on: a reloaded draft head is a new pair, and generations in
+        flight, which hold this object, record its divergences under the new pair's namespace."""
+        self.namespace = namespace
+
     def record(self, patterns: Sequence[tuple[int, int]]) -> None:
         self.store.record(self.namespace, patterns)
 

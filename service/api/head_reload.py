@@ -6,7 +6,11 @@
    new weights in place, so the `head` and `combined` drafters and every generation in flight draft with it
    from the next round on; nothing in flight is dropped;
 3. the OCM namespaces of `head` and `combined` follow the new identity (a divergence pattern belongs to
-   one model pair), for generations started after the swap.
+   one model pair): a new head starts a fresh namespace, for generations in flight too (their memory handle is
+   rebound in the swap), so counts learned for the retired head never steer the new one. Only an explicit
+   `carry_ocm` copies the retired head's counts into the new namespace (after the swap, off the engine
+   thread): for a head fine-tuned from the old one that still makes its mistakes. A reload of the same
+   weights is the same pair and keeps its namespace.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ocm_store.base import Namespace, NamespacedMemory, OCMStore
 from service.api.errors import APIError
 from service.api.worker import EngineWorker
 from service.decoding import DecodingError, HeadDrafter
@@ -50,20 +55,43 @@ def configured_head_folder(runtime: Runtime) -> Path | None:
     return Path(draft_head) if draft_head else None
 
 
-def _swap(runtime: Runtime, new: HeadDrafter) -> str:
-    """On the engine thread, between rounds."""
+def _swap(runtime: Runtime, new: HeadDrafter) -> tuple[str, list[tuple[Namespace, Namespace]]]:
+    """On the engine thread, between rounds. Returns the new identity and the (retired, new) namespace
+    pairs that changed."""
     running = runtime.engine.drafters["head"]
     assert isinstance(running, HeadDrafter)
     running.take_weights(new)
     drafters = {n: runtime.engine.drafters[n] for n in HEAD_DRAFTERS if n in runtime.engine.drafters}
+    changed = []
     for name, namespace in ocm_namespaces(runtime.target, drafters).items():
+        retired = runtime.namespaces.get(name)
+        if retired is not None and retired != namespace:
+            changed.append((retired, namespace))
         runtime.namespaces[name] = namespace
-        runtime.engine.memories[name] = runtime.store.memory(namespace)
-    return running.identity
+        memory = runtime.engine.memories.get(name)
+        if isinstance(memory, NamespacedMemory) and memory.store is runtime.store:
+            memory.rebind(namespace)  # generations in flight hold this handle
+        else:
+            runtime.engine.memories[name] = runtime.store.memory(namespace)
+    return running.identity, changed
+
+
+def _carry(store: OCMStore, changed: list[tuple[Namespace, Namespace]]) -> int:
+    """Copy each retired namespace's counts into its successor; returns the patterns copied."""
+    copied = 0
+    for retired, namespace in changed:
+        rows = [(p.draft_token, p.target_token, p.count) for p in store.top(retired, 10**9)]
+        store.merge(namespace, rows)
+        copied += len(rows)
+    return copied
 
 
 async def reload_head(
-    runtime: Runtime, worker: EngineWorker, folder: Path | None, reloads: HeadReloads
+    runtime: Runtime,
+    worker: EngineWorker,
+    folder: Path | None,
+    reloads: HeadReloads,
+    carry_ocm: bool = False,
 ) -> dict:
     running = runtime.engine.drafters.get("head")
     if not isinstance(running, HeadDrafter):
@@ -93,15 +121,28 @@ async def reload_head(
                 param="folder",
                 code="invalid_draft_head",
             ) from None
-        identity = await asyncio.wrap_future(worker.between_rounds(lambda: _swap(runtime, new)))
+        identity, changed = await asyncio.wrap_future(worker.between_rounds(lambda: _swap(runtime, new)))
+        carried = await asyncio.to_thread(_carry, runtime.store, changed) if carry_ocm else 0
         reloads.outcomes["ok"] += 1
-        log.info("draft head reloaded from %s: %s -> %s", folder, previous, identity)
+        log.info(
+            "draft head reloaded from %s: %s -> %s; OCM: %s",
+            folder,
+            previous,
+            identity,
+            f"{carried} patterns carried over"
+            if carry_ocm
+            else "fresh namespace"
+            if changed
+            else "same pair",
+        )
         return {
             "object": "drafter.reload",
             "drafter": "head",
             "folder": str(folder),
             "previous_identity": previous,
             "identity": identity,
+            "ocm_namespaces": [namespace.key for _, namespace in changed],
+            "ocm_patterns_carried": carried,
             "seconds": round(time.monotonic() - started, 3),
         }
 

@@ -165,11 +165,12 @@ class ServiceState:
 
     # ------------------------------------------------------------ draft head reload
 
-    async def reload_head(self, folder: Path | None = None) -> dict:
+    async def reload_head(self, folder: Path | None = None, carry_ocm: bool = False) -> dict:
         """Load a draft head (default: the one the server started with), check it against the target, and
-        swap it in between two engine rounds. Raises APIError (the old head keeps serving) when it cannot."""
+        swap it in between two engine rounds. Raises APIError (the old head keeps serving) when it cannot.
+        `carry_ocm`: copy the retired head's OCM counts into the new head's namespace (see head_reload)."""
         runtime, worker = self.require_serving()
-        return await reload_head(runtime, worker, folder, self.head_reloads)
+        return await reload_head(runtime, worker, folder, self.head_reloads, carry_ocm)
 
     def _reload_on_sighup(self) -> None:
         """SIGHUP reloads the head from its folder (a server process only: signals need the main thread)."""

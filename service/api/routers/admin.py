@@ -22,6 +22,11 @@ class ReloadDrafterRequest(BaseModel):
         "`python -m training --from-traffic` wrote); default: the folder the running head came from",
         min_length=1,
     )
+    carry_ocm: bool = Field(
+        False,
+        description="copy the retired head's divergence counts into the new head's OCM namespace; by default "
+        "a new head starts a fresh namespace, since counts learned for another drafter would steer it",
+    )
 
 
 class ReloadDrafterResponse(BaseModel):
@@ -30,6 +35,8 @@ class ReloadDrafterResponse(BaseModel):
     folder: str
     previous_identity: str
     identity: str
+    ocm_namespaces: list[str] = Field(description="the OCM namespaces that changed (empty: the same weights)")
+    ocm_patterns_carried: int = Field(description="patterns copied from the retired namespaces (carry_ocm)")
     seconds: float
 
 
@@ -41,4 +48,5 @@ async def reload_drafter(state: State, body: ReloadDrafterRequest | None = None)
     in between two decoding rounds: generations in flight continue with the new head. A head that fails
     the checks is refused (400) and the running one keeps serving."""
     folder = Path(body.folder) if body is not None and body.folder else None
-    return ReloadDrafterResponse(**await state.reload_head(folder))
+    carry = body is not None and body.carry_ocm
+    return ReloadDrafterResponse(**await state.reload_head(folder, carry_ocm=carry))
