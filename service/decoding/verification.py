@@ -8,7 +8,13 @@ Implements, on the logits of one target forward over `[last, d_1 .. d_k]`:
   `threshold` x the top one);
 - Calibrated Speculative Decoding (arXiv 2604.13634): at a rejection, record the divergence pattern
   (draft, target top) in the Online Correction Memory, then rescue the draft token iff the pattern is recurring
-  (count > lambda) and the target finds it plausible (z[d] - z[t*] >= log tau, raw logits).
+  (count > lambda) and the target finds it plausible (z[d] - z[t*] >= log tau).
+
+Which logits: the paper's z are the target's logits before temperature, and so are ours, *after* the
+request's processing (penalties, logit_bias, min_tokens, the grammar's mask; `processing.LogitsProcessing`),
+on purpose: they are what plain decoding chooses t* from, so a rescue judges d against the choice it would
+replace, and a token the request rules out (a bias of -100, a grammar's forbidden token, at -inf) is never
+kept by a rescue, which raw logits would allow. With no processing set they are the raw logits.
 
 Paper letters -> our names: the papers' target distribution p is `target_probs`, the draft distribution q is
 `draft_probs`; CSD's z_i are `target_logits[i]`, d is `draft[i]`, t* is `top`.
@@ -21,7 +27,10 @@ A *rescue rule* is the only thing that differs between sd, lossy and csd: it is 
 whether to keep the draft token anyway. Verification then goes on at the next position with the logits
 already computed (they were computed with the draft token in the prefix), so one rescue can save the rest of
 the draft. Under sampling we apply the same rule on the rejection branch of rejection sampling, with
-t* = argmax of the raw logits: this is our extension, the paper evaluated greedy decoding only.
+t* = argmax of the same processed logits: this is our extension, the paper evaluated greedy decoding only.
+
+Ties: t* is argmax, the lowest token id among equal logits (plain decoding takes the same), so a draft token
+tied with the top is accepted when its id is the lower one and otherwise is a divergence like any other.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import torch
 
 from service.decoding.types import EmittedToken, Provenance, RoundStats
 
-# rule(draft_token, target_top, raw_logits_row, before) -> keep the draft token? `before`: the tokens before
+# rule(draft_token, target_top, logits_row, before) -> keep the draft token? `before`: the tokens before
 # the draft token (the last committed ones, then the draft kept so far in this round)
 RescueRule = Callable[[int, int, torch.Tensor, Sequence[int]], bool]
 # guard(before, draft_token, target_top) -> why the rescue is refused ("turn", "fact", ...), or None
@@ -163,7 +172,7 @@ def verify_greedy(
 ) -> Verdict:
     """Greedy verification.
 
-    draft: k draft token ids. target_logits: [k + 1, V] raw logits; row i scores the token after
+    draft: k draft token ids. target_logits: [k + 1, V] processed logits (see the module docstring); row i scores the token after
     `[last, d_1 .. d_i]`. Position i is accepted iff d_i == argmax(row i - 1); at a mismatch `rescue` may keep
     d_i; otherwise the target's top token is emitted (recovered) and the round ends. If all k are kept, the
     target's next token is free (bonus). committed: the sequence before the draft (the rescue's context).

@@ -8,7 +8,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from service.decoding.batch_invariant import ATTENTION, ROW_BLOCK, RowInvariantLinear
+from service.decoding.batch_invariant import (
+    ATTENTION,
+    ROW_BLOCK,
+    FP32LogitsHead,
+    FP32Norm,
+    RowInvariantLinear,
+)
 from service.decoding.cpu_kernels import has_native_bf16
 from service.decoding.models import load_model
 from service.decoding.text import encode_chat
@@ -95,3 +101,36 @@ def test_a_padded_batch_row_gives_the_bits_of_the_row_alone(bf16):
     )
     logits, solo = padded_and_solo_logits(bf16, a, b)  # b's keys no longer start the key axis
     assert torch.equal(logits, solo[5:])
+
+
+def test_the_logits_are_fp32_while_the_body_stays_bf16(bf16):
+    """bf16 logits step by 0.125 at |logit| 16-32 and tie exactly; the final norm and LM head run in fp32."""
+    model = bf16.model
+    assert isinstance(model.get_output_embeddings(), FP32LogitsHead)
+    assert isinstance(model.get_decoder().norm, FP32Norm)
+    # the head still exposes the tied bf16 weight that a draft head binds
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert model.get_decoder().layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    ids = encode_chat(bf16.tokenizer, [{"role": "user", "content": "Name three rivers."}])
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    assert logits.dtype == torch.float32
+    # far more distinct values than bf16's 8-bit mantissa allows among the 1,000 best
+    assert logits.topk(1000).values.unique().numel() > 990
+
+
+def test_fp32_logits_keep_their_bits_for_any_row_count():
+    generator = torch.Generator().manual_seed(1)
+    linear = torch.nn.Linear(576, 4096, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(4096, 576, generator=generator))
+    rows = torch.randn(80, 576, generator=generator).to(torch.bfloat16)
+    head = FP32LogitsHead(linear)
+    with torch.inference_mode():
+        alone = torch.cat([head(row[None]) for row in rows])
+        assert alone.dtype == torch.float32
+        for count in (2, 3, 7, ROW_BLOCK, ROW_BLOCK + 1, 49, 80):
+            assert torch.equal(head(rows[:count]), alone[:count]), count
+        # and they are the fp32 products of the bf16 weight, not a bf16-rounded result
+        exact = rows.double() @ linear.weight.double().T
+        assert (alone.double() - exact).abs().max() < 1e-3

@@ -115,6 +115,34 @@ def test_dtype_is_applied_and_validated(saved_words):
         assert "float32" in str(info.value)  # says what would be accepted
 
 
+@pytest.mark.parametrize(
+    "caps",
+    [
+        {"ONEDNN_MAX_CPU_ISA": "AVX2"},
+        {"ONEDNN_MAX_CPU_ISA": "avx512_core"},
+        {"DNNL_MAX_CPU_ISA": "AVX2"},
+        {"ATEN_CPU_CAPABILITY": "avx2"},
+    ],
+)
+def test_a_dispatch_capped_below_bf16_loads_fp32(saved_words, monkeypatch, caps):
+    """Under a cap (how `make test` runs the decoding tests a second time) a CPU with AMX or AVX512-BF16
+    takes the path AVX2-only CPUs take: fp32, packed weights."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in caps.items():
+        monkeypatch.setenv(name, value)
+    assert not has_native_bf16()
+    assert load_model(str(saved_words)).model.dtype == torch.float32
+
+
+def test_a_cap_that_allows_bf16_changes_nothing(monkeypatch):
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(name, raising=False)
+    native = has_native_bf16()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert has_native_bf16() == native
+
+
 def test_an_unknown_device_is_refused(saved_words):
     with pytest.raises(DecodingError, match="device 'gpu-9'"):
         load_model(str(saved_words), device="gpu-9")

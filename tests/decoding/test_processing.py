@@ -156,7 +156,8 @@ def test_logprobs_are_the_processed_distribution_of_each_emitted_token(engine, e
 
 
 def test_a_rescued_token_reports_the_targets_logprob_of_the_kept_token(engine, embedded, ids):
-    """CSD's lossiness shows in the numbers: a rescued token's logprob is below the target's top choice."""
+    """CSD's lossiness shows in the numbers: a rescued token's logprob is below the target's top choice, or
+    equal to it in an exact tie, where the top is the lower token id (argmax's choice, reported first)."""
     # strict decoding that records its rejections: the memory then knows this text's divergences
     strict = SpeculativeConfig(method="sd")
     run_to_end(engine.generate(ids, SamplingParams(max_tokens=40), strict, "combined", record_strict=True))
@@ -166,4 +167,21 @@ def test_a_rescued_token_reports_the_targets_logprob_of_the_kept_token(engine, e
     assert rescued, g.stats.as_dict()
     for t in rescued:
         best_id, best = t.top_logprobs[0]
-        assert best_id == t.replaced_token_id and best > t.logprob
+        assert best_id == t.replaced_token_id
+        assert best > t.logprob or (best == t.logprob and best_id < t.token_id), (t, t.top_logprobs)
+
+
+def test_the_semantic_gate_reads_the_processed_logits(engine, embedded, ids):
+    """SCG compares the logits plain decoding chooses from (after penalties, logit_bias and the grammar's
+    mask): a token the user biased away, or a grammar forbids, is never kept by a rescue, however plausible
+    the raw logits find it."""
+    strict = SpeculativeConfig(method="sd")
+    run_to_end(engine.generate(ids, SamplingParams(max_tokens=40), strict, "combined", record_strict=True))
+    spec = SpeculativeConfig(method="csd", lambda_=0, tau=0.001, guard_facts=False)
+    free = run_to_end(engine.generate(ids, SamplingParams(max_tokens=40), spec, "combined"))
+    rescued = {t.token_id for t in free.tokens if t.replaced_token_id is not None}
+    assert rescued, free.stats.as_dict()
+    biased = SamplingParams(max_tokens=40, logit_bias=tuple((t, -100.0) for t in sorted(rescued)))
+    g = run_to_end(engine.generate(ids, biased, spec, "combined"))
+    assert g.stats.num_draft_tokens > 0
+    assert not rescued & {t.token_id for t in g.tokens}, g.stats.as_dict()

@@ -116,6 +116,27 @@ def test_rescue_then_further_acceptance_and_second_mismatch():
     assert store.counts(NS, [(7, 2)]) == [1]
 
 
+# Exact ties: the target's choice is argmax, which takes the lowest token id among equal logits (plain
+# decoding does the same, so strict SD stays plain decoding). A draft token tied with the top is therefore
+# accepted when its id is the lower one, and otherwise a divergence like any other, which CSD may rescue (its
+# logit gap is 0 >= log tau for every tau <= 1) and strict SD replaces by the top.
+TIE_AT_1 = logits_rows({1: 5.0}, {3: 5.0, 5: 5.0}, {4: 5.0})  # tokens 3 and 5 tie after d_1
+
+
+def test_a_draft_token_tied_with_the_top_and_of_lower_id_is_accepted():
+    v = verify_greedy([1, 3], TIE_AT_1)
+    assert provenances(v) == [(1, Provenance.ACCEPTED), (3, Provenance.ACCEPTED), (4, Provenance.BONUS)]
+
+
+def test_a_draft_token_tied_with_the_top_and_of_higher_id_is_a_divergence():
+    strict = verify_greedy([1, 5], TIE_AT_1)
+    assert provenances(strict) == [(1, Provenance.ACCEPTED), (3, Provenance.RECOVERED)]
+    _, mem = memory_with(5, pattern=(5, 3))
+    rescued = verify_greedy([1, 5], TIE_AT_1, calibrated_rule(mem, lambda_=4, tau=1.0))
+    assert provenances(rescued) == [(1, Provenance.ACCEPTED), (5, Provenance.RESCUED), (4, Provenance.BONUS)]
+    assert rescued.tokens[1].replaced_token_id == 3
+
+
 def test_lossy_threshold_is_relative_to_top():
     close = logits_rows({5: 5.0, 3: 5.0 + math.log(0.7)}, {4: 1.0})  # p(3)/p(5) = 0.7
     far = logits_rows({5: 5.0, 3: 5.0 + math.log(0.5)}, {4: 1.0})  # 0.5 < 0.6
