@@ -32,6 +32,7 @@ from service.api.schemas import (
     CompletionLogprobs,
     CompletionResponse,
     FunctionCallDelta,
+    PromptTokensDetails,
     ProvenanceToken,
     SpeculativeStats,
     SpeculativeTokens,
@@ -50,6 +51,7 @@ def usage(stats: GenerationStats) -> Usage:
         prompt_tokens=stats.prompt_tokens,
         completion_tokens=stats.completion_tokens,
         total_tokens=stats.prompt_tokens + stats.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.cached_tokens),
     )
 
 
@@ -131,7 +133,12 @@ class PromptResult:
 def request_stats(results: list[PromptResult]) -> GenerationStats:
     """A request's totals: each prompt counted once, every choice's output."""
     parts = [c.stats for r in results for c in r.choices if c.stats is not None]
-    return combined_stats(parts, sum(len(r.plan.prompt_ids) for r in results))
+    total = combined_stats(parts, sum(len(r.plan.prompt_ids) for r in results))
+    # a prompt's choices share one prefill, so its cached tokens count once, like its prompt tokens
+    total.cached_tokens = sum(
+        max((c.stats.cached_tokens for c in r.choices if c.stats is not None), default=0) for r in results
+    )
+    return total
 
 
 def chat_logprobs(tokens: list[EmittedToken], texts: dict[int, str], raw: dict[int, bytes]) -> ChatLogprobs:

@@ -474,10 +474,18 @@ def _absent_if_none(value: object) -> bool:
     return value is None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        0, description="prompt tokens served from the prefix cache (their keys and values were not computed)"
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's shape; absent (not 0) where it is not known yet: the usage so far of continuous_usage_stats
+    prompt_tokens_details: PromptTokensDetails | None = Field(None, exclude_if=_absent_if_none)
 
 
 class ProvenanceToken(BaseModel):

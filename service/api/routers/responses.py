@@ -24,6 +24,7 @@ from service.api.openapi import error_responses
 from service.api.plan import plan_chat
 from service.api.responses_api import (
     ChatForm,
+    InputTokensDetails,
     ResponseBuilder,
     ResponseObject,
     ResponsesRequest,
@@ -115,6 +116,7 @@ def _finish(
     stats = stats or GenerationStats(prompt_tokens=len(plan.prompt_ids))
     usage = ResponseUsage(
         input_tokens=stats.prompt_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=stats.cached_tokens),
         output_tokens=stats.completion_tokens,
         total_tokens=stats.prompt_tokens + stats.completion_tokens,
     )
