@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         help="comma-separated method columns to run (default: all; vanilla always runs, it is the baseline)",
     )
-    p.add_argument("--no-profile", action="store_true", help="skip the forward-cost profile")
+    p.add_argument(
+        "--no-profile", action="store_true", help="skip the forward-cost profile and the forward section"
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.add_argument("--seed", type=int, help="shuffle seed of the replay")
     p.add_argument("--out", type=Path, help="output folder (default: bench/results/<timestamp>)")

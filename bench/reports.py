@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.forward_report import forward_markdown
 from bench.metrics import bootstrap_interval
 from bench.sweep import sweep_markdown
 
@@ -976,6 +977,8 @@ def markdown(report: dict) -> str:
                 "- (combined: the cost of whichever drafter it picks on the profile's prompt, plus the n-gram "
                 "lookup.)"
             )
+    if report.get("forward"):
+        parts += ["", *forward_markdown(report["forward"])]
     lossless = report.get("lossless")
     if lossless:
         parts += ["", "## Lossless check", ""]

@@ -13,7 +13,7 @@ from typing import TextIO
 import torch
 from tqdm import tqdm
 
-from bench import plots, reports
+from bench import forward, plots, reports
 from bench.calibration import calibrated_store, namespaces, top_patterns
 from bench.config import BenchConfig, BenchError
 from bench.context import Bench, head_folder
@@ -209,6 +209,10 @@ def run_benchmark(
         if config.extra.get("profile", True):
             clock.enter("profile")
             report["profile"] = run_profile(bench)
+            # 7. the target forward alone, by width, rows and weight format (`python -m bench.forward`)
+            if device == "cpu":
+                clock.enter("forward")
+                report["forward"] = forward.run_section(config.model, config.quick)
         clock.enter(None)
     finally:
         progress.close()
