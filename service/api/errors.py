@@ -100,6 +100,16 @@ def engine_failure() -> APIError:
     )
 
 
+def engine_dead() -> APIError:
+    """The engine cannot go on (why is in the server log): the process is stopping to be restarted."""
+    return APIError(
+        503,
+        "the engine stopped and this server is restarting; retry on another replica",
+        type=UNAVAILABLE,
+        code="engine_dead",
+    )
+
+
 def queue_full(retry_after_s: int, running: int, waiting: int) -> APIError:
     return APIError(
         429,

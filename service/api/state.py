@@ -4,7 +4,9 @@ what readiness knows.
 Life cycle: `start()` (from the lifespan) loads the runtime in a thread, so /health answers while the
 models load; then the worker starts and a 1-token probe generation runs; /ready says 200 only once a real
 generation has succeeded. `begin_shutdown()` (a signal, or the lifespan ending) turns /ready and new
-requests to 503 while running requests drain; `stop()` cancels what is left and closes the store.
+requests to 503 while running requests drain; `stop()` cancels what is left and closes the store. An
+engine that cannot go on (`EngineWorker.dead`) turns /health and /ready to 503 and calls `on_fatal`, which
+stops the process (`csd serve` exits non-zero) so that its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ocm_store.base import StoreStatus
-from service.api.errors import UNAVAILABLE, APIError, shutting_down
+from service.api.errors import UNAVAILABLE, APIError, engine_dead, shutting_down
 from service.api.events import DoneEvent, ErrorEvent, GenerationPlan, Job
 from service.api.head_reload import HeadCollector, HeadReloads, reload_head
 from service.api.metrics import OCMStoreCollector, ServiceMetrics
@@ -125,6 +127,7 @@ class ServiceState:
             idle_work=runtime.refine_costs,
             record=self.recorder.record if self.recorder is not None else None,
             model_identity=runtime.target.identity,
+            on_dead=self._engine_died,
         )
         self.worker.start()
         self._reload_on_sighup()
@@ -133,6 +136,21 @@ class ServiceState:
 
     def _forward_ok(self) -> None:  # called from the worker thread; one float assignment
         self.last_forward_ok = time.monotonic()
+
+    def _engine_died(self, reason: str) -> None:  # called from the worker thread
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is stopping anyway
+            self._loop.call_soon_threadsafe(self._on_engine_dead, reason)
+
+    def _on_engine_dead(self, reason: str) -> None:
+        log.critical("the engine is dead (%s): stopping the server so that it is restarted", reason)
+        if self.on_fatal is not None:
+            self.on_fatal(f"the engine died: {reason}")
+
+    @property
+    def engine_dead(self) -> str | None:
+        """Why the engine cannot go on (None while it can, and before it starts)."""
+        return self.worker.dead if self.worker is not None else None
 
     def begin_shutdown(self) -> None:
         if not self.shutting_down:
@@ -193,6 +211,8 @@ class ServiceState:
     def require_serving(self) -> tuple[Runtime, EngineWorker]:
         """The runtime and worker, or a 503 saying why there are none."""
         retry = {"Retry-After": "5"}
+        if self.engine_dead is not None:
+            raise engine_dead()
         if self.shutting_down:
             raise shutting_down()
         if self.load_error is not None:
@@ -215,6 +235,8 @@ class ServiceState:
         1-token probe generation just did."""
         if self.load_error is not None:
             return False, {"status": "failed", "detail": self.load_error}
+        if self.engine_dead is not None:  # before shutting_down: the death is what stops the server
+            return False, {"status": "dead", "detail": f"engine dead: {self.engine_dead}"}
         if self.shutting_down:
             return False, {"status": "shutting_down"}
         if self.runtime is None or self.worker is None:

@@ -5,6 +5,11 @@ the continuous batch, dropping finished and aborted work. This module only carri
 out: `submit` and `cancel` are called from the event loop; the thread steps the core, turns its outputs into
 events (`OutputProcessor`), metrics (`StatLogger`) and traffic records, and hands each event to the loop that
 waits for it (`loop.call_soon_threadsafe`). Nothing here runs torch on the event loop.
+
+Faults: the core fails only the requests a fault touched and goes on. What it cannot go on from, a fault of
+the loop itself or `MAX_CONSECUTIVE_FAULTS` faulty steps with no round succeeding between them, makes the
+engine dead: every waiting and running request gets a 503 at once, new ones are refused, and `on_dead` tells
+the service, which stops the process so that its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -15,17 +20,31 @@ import logging
 import threading
 from collections.abc import Callable
 
-from service.api.errors import APIError, engine_failure, from_engine, shutting_down
+from service.api.errors import APIError, engine_dead, engine_failure, from_engine, shutting_down
 from service.api.events import ErrorEvent, GenerationPlan, Job
 from service.api.metrics import ServiceMetrics
 from service.api.output_processor import OutputProcessor
 from service.api.stat_logger import StatLogger
 from service.decoding.batch import DEFAULT_MAX_BATCHED_TOKENS
 from service.decoding.engine import Engine, EngineCore
-from service.decoding.requests import EngineClosed, Failed, Finished, Output, PromptScored, Stepped
+from service.decoding.requests import (
+    EngineClosed,
+    Failed,
+    FailReason,
+    Finished,
+    Output,
+    PromptScored,
+    Stepped,
+)
 from service.traffic import traffic_record
 
 log = logging.getLogger(__name__)
+
+# Steps in a row that failed requests for an engine fault with no round succeeding between them, after which
+# the engine is taken for dead. One is a request's own fault or a transient (an allocation that failed once);
+# this many with nothing succeeding between them is a model or device that no longer works (a CUDA error
+# poisons every later call), which only a restart cures. The readiness probe's success resets the count.
+MAX_CONSECUTIVE_FAULTS = 5
 
 
 class EngineWorker:
@@ -43,6 +62,7 @@ class EngineWorker:
         idle_work: Callable[[], bool] | None = None,
         record: Callable[[dict], None] | None = None,
         model_identity: str = "",
+        on_dead: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.engine = engine
         self.core = EngineCore(engine, max_batch_size, max_queue, max_batched_tokens)
@@ -61,6 +81,9 @@ class EngineWorker:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._stopping = False
+        self.on_dead = on_dead  # called on this thread, once, with why the engine cannot go on
+        self._dead: str | None = None
+        self._faults = 0  # faulty steps since the last round that succeeded
         self._thread = threading.Thread(target=self._run, name="csd-engine", daemon=True)
 
     def start(self) -> None:
@@ -76,17 +99,29 @@ class EngineWorker:
     def waiting(self) -> int:
         return self.core.num_waiting
 
+    @property
+    def dead(self) -> str | None:
+        """Why the engine cannot go on, or None while it can. A thread that ended without being stopped is
+        dead too, however it ended."""
+        ended = self._thread.ident is not None and not self._thread.is_alive()
+        if self._dead is None and ended and not self._stopping:
+            return "the engine thread ended"
+        return self._dead
+
+    def _refusal(self) -> APIError:
+        return engine_dead() if self._dead is not None else shutting_down()
+
     def check_room(self, rows: int) -> None:
         """Refuse a request of `rows` batch rows now (QueueFull) if it would be: before any prompt work."""
         if self._stopping:
-            raise shutting_down()
+            raise self._refusal()
         self.core.check_room(rows)
 
     def submit(self, job: Job, *, priority: bool = False) -> None:
         """Admit a job or raise QueueFull. `priority` (readiness probes) skips the line and the bound."""
         with self._lock:
             if self._stopping:
-                raise shutting_down()
+                raise self._refusal()
             job.request_id = f"req-{next(self._ids)}"
             self._jobs[job.request_id] = job
         try:
@@ -95,7 +130,7 @@ class EngineWorker:
             with self._lock:
                 self._jobs.pop(job.request_id, None)
             if isinstance(exc, EngineClosed):
-                raise shutting_down() from None
+                raise self._refusal() from None
             raise
         self.metrics.requests_waiting.set(self.core.num_waiting)
 
@@ -110,7 +145,7 @@ class EngineWorker:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._stopping:
-                future.set_exception(shutting_down())
+                future.set_exception(self._refusal())
                 return future
             self._between.append((fn, future))
         self.core.wake()
@@ -140,6 +175,13 @@ class EngineWorker:
     # ------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # a fault of the loop itself: neither its state nor the core's is sound
+            log.critical("the engine loop failed; the engine is dead", exc_info=True)
+            self._die(f"the engine loop failed ({type(exc).__name__})")
+
+    def _serve(self) -> None:
         while True:
             self._wait_for_work()
             self._run_between()
@@ -151,6 +193,35 @@ class EngineWorker:
             self.stats.scheduler(step.stats)  # before the events: a client that reads metrics sees this step
             for out in step.outputs:
                 self._handle(out)
+            if self._count_faults(step.outputs) >= MAX_CONSECUTIVE_FAULTS:
+                log.critical("%d faulty engine steps in a row; the engine is dead", self._faults)
+                self._die(f"{self._faults} faulty steps in a row, no round succeeding")
+                return
+
+    def _count_faults(self, outputs: list[Output]) -> int:
+        """Faulty steps since the last one that got a round of tokens out."""
+        if any(isinstance(out, Stepped) for out in outputs):
+            self._faults = 0
+        elif any(isinstance(out, Failed) and out.reason is FailReason.ENGINE_ERROR for out in outputs):
+            self._faults += 1
+        return self._faults
+
+    def _die(self, reason: str) -> None:
+        """The engine cannot go on: refuse new work, answer every waiting and running request with a 503 now
+        (none waits for its client's timeout), fail the work queued between rounds, and tell the service."""
+        with self._lock:
+            self._dead = reason
+            self._stopping = True
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+            between, self._between = self._between, []
+        self.core.close()
+        error = engine_dead()
+        for job in jobs:
+            job.deliver(ErrorEvent(error))
+        for _, future in between:
+            future.set_exception(error)
+        self.on_dead(reason)
 
     def _wait_for_work(self) -> None:
         """Block while there is nothing to do, running idle work slices meanwhile."""

@@ -15,6 +15,11 @@ explained there). Each `step()`:
 
 Rows join and leave between steps (continuous batching); `remove()` takes out a cancelled sequence without
 touching the others.
+
+Faults: where one can be told to be one sequence's (its prefill chunk, on its own cache; its draft; its
+verification or emission, detokenising included), that sequence leaves the batch into `failed` and the
+others go on. A fault of what the rows share (the batched forward, the batch's cache) raises from `step()`:
+no row's cache can be trusted then, and whoever drives the batch clears it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 
 from service.decoding.batch_kv import BatchKV
 from service.decoding.draft_policy import DraftPolicy, RowOffer
-from service.decoding.drafters.base import BatchDrafter, Draft
+from service.decoding.drafters.base import BatchDrafter, Draft, DraftRow
 from service.decoding.generation import Generation
 from service.decoding.models import LoadedModel
 from service.decoding.types import DecodingError, GenerationStep
@@ -148,6 +153,28 @@ class Batch:
         if not self.joining:
             return
         group, own = self.joining[0]
+        try:
+            own, done = self._feed_chunk(group, own)
+        except Exception as exc:  # the chunk ran on the group's own cache: the running rows never saw it
+            log.exception("a prefill failed; dropping its sequences from the batch")
+            self.joining.popleft()
+            for generation in group:
+                drafter = self._drafter_of(generation)
+                if drafter is not None:
+                    drafter.leave(generation)
+                self.failed.append((generation, exc))
+            return
+        if done:
+            self.joining.popleft()
+            for _ in group[1:]:  # the other choices get copies of the one prefilled cache
+                self.kv.add(own.copy())
+            self.kv.add(own)
+            # rows were added copies first: row order is the group's order either way (all copies are equal)
+            self.running.extend(group)
+
+    def _feed_chunk(self, group: list[Generation], own: BatchKV) -> tuple[BatchKV, bool]:
+        """The joining group's next prompt chunk into its own cache `own` (and its drafters); (that cache,
+        whether the prompt is all in)."""
         first = group[0]
         if first.prefilled == 0 and first.prefix_cache is not None:
             own = self._join_from_cache(group)
@@ -169,15 +196,10 @@ class Batch:
             seconds = time.perf_counter() - started
             for generation in group:
                 generation.stats.prefill_seconds += seconds
-        if first.prefilled >= len(first.prefill_ids):
-            self.joining.popleft()
-            if first.prefix_cache is not None:
-                self._store_prefill(first, own)
-            for _ in group[1:]:  # the other choices get copies of the one prefilled cache
-                self.kv.add(own.copy())
-            self.kv.add(own)
-            # rows were added copies first: row order is the group's order either way (all copies are equal)
-            self.running.extend(group)
+        done = first.prefilled >= len(first.prefill_ids)
+        if done and first.prefix_cache is not None:
+            self._store_prefill(first, own)
+        return own, done
 
     # ------------------------------------------------------------------ prefix caching (prefix_cache.py)
 
@@ -221,7 +243,10 @@ class Batch:
                 continue
             length = min(self.kv.length(row), len(generation.committed) - 1)
             if length >= generation.prefix_cache.block_size:
-                generation.prefix_cache.store(generation.committed[:length], self.kv.row_kv(row, length))
+                try:
+                    generation.prefix_cache.store(generation.committed[:length], self.kv.row_kv(row, length))
+                except Exception:  # the answer is complete: a cache that cannot take it costs a later prefill
+                    log.exception("could not store a finished sequence in the prefix cache")
 
     def _final_hidden(self) -> torch.Tensor:
         """The target's final hidden states of the forward that just ran, [B, T, d]."""
@@ -231,10 +256,13 @@ class Batch:
 
     def _round(self) -> list[tuple[Generation, GenerationStep]]:
         started = time.perf_counter()
-        rows = self.running
         # 1. draft: every drafter proposes for its rows, up to each row's budget; a constrained row checks its
-        # draft against its grammar (cut at a forbidden token, forced tokens drafted for free)
-        drafts = [g.constrain(d) for g, d in zip(rows, self._propose(), strict=True)]
+        # draft against its grammar (cut at a forbidden token, forced tokens drafted for free). A row whose
+        # drafting raised leaves the batch here, before the forward
+        drafts = self._draft()
+        rows = self.running
+        if not rows:
+            return []
         # 2. cap: the round's draft cap, from the rows' own acceptance and the batch's forward cost (0: plain)
         drafts = self._cap(rows, drafts)
         # 3. verify: one target forward over [last committed token, draft] of every row
@@ -282,9 +310,28 @@ class Batch:
             drafts[i] = drafts[i].cut(cap)
         return drafts
 
-    def _propose(self) -> list[Draft]:
+    def _draft(self) -> list[Draft]:
+        """Each running row's draft, checked against its grammar. A row whose draft raised (its drafter, its
+        grammar) is taken out of the batch into `failed`; the drafts of the rows left are returned, in order."""
+        failed: dict[int, Exception] = {}  # row -> what it raised
+        drafts = self._propose(failed)
+        for row, generation in enumerate(self.running):
+            if row not in failed:
+                try:
+                    drafts[row] = generation.constrain(drafts[row])
+                except Exception as exc:
+                    failed[row] = exc
+        if not failed:
+            return drafts
+        for exc in failed.values():
+            log.error("a sequence failed to draft; dropping it from the batch", exc_info=exc)
+        self.failed.extend((self.running[row], exc) for row, exc in failed.items())
+        self._drop_running([self.running[row] for row in failed])
+        return [draft for row, draft in enumerate(drafts) if row not in failed]
+
+    def _propose(self, failed: dict[int, Exception]) -> list[Draft]:
         """Each running row's draft (empty when it does not speculate): one `propose` per drafter for all
-        of its rows."""
+        of its rows. A row whose proposal raised is added to `failed`, with an empty draft."""
         drafts = [Draft([]) for _ in self.running]
         by_drafter: dict[str, list[int]] = {}
         requests = [g.draft_row() for g in self.running]
@@ -292,7 +339,33 @@ class Batch:
             if request is not None:
                 by_drafter.setdefault(generation.drafter.name, []).append(index)
         for name, indexes in by_drafter.items():
-            proposed = self.drafters[name].propose([requests[i] for i in indexes])
+            try:
+                proposed = self.drafters[name].propose([requests[i] for i in indexes])
+            except Exception as exc:
+                log.warning(
+                    "drafter %r failed for %d row(s) (%r); asking each row alone", name, len(indexes), exc
+                )
+                proposed = self._propose_alone(name, indexes, requests, failed)
             for i, draft in zip(indexes, proposed, strict=True):
                 drafts[i] = draft
+        return drafts
+
+    def _propose_alone(
+        self, name: str, indexes: list[int], requests: list[DraftRow | None], failed: dict[int, Exception]
+    ) -> list[Draft]:
+        """After a drafter raised for several rows: which of them raised? One `propose` per row tells, and
+        only those fail (falling back to no draft instead would hide a drafter's bug behind a lower
+        acceptance). The call that raised may have left the drafter's state half updated, so it starts
+        afresh: every drafter rebuilds it from each row's `committed` (drafters/base.py), a draft model by
+        feeding each row's whole sequence once."""
+        generation = self.running[indexes[0]]
+        assert generation.drafter is not None
+        self.drafters[name] = fresh = generation.drafter.rows()
+        drafts: list[Draft] = []
+        for i in indexes:
+            try:
+                drafts.extend(fresh.propose([requests[i]]))
+            except Exception as exc:
+                failed[i] = exc
+                drafts.append(Draft([]))
         return drafts

@@ -267,7 +267,8 @@ class EngineCore:
             return CoreStep(outputs, self._stats(0, ran=False))
         try:
             results = self.batch.step()
-        except Exception:  # the thread must survive anything: it is the only one that generates
+        except Exception:  # a fault of what the rows share (one row's own faults are in batch.failed): no
+            # row's cache can be trusted, so the batch's requests fail; the core goes on with the queue
             log.exception("engine failed during a batched round; failing the batch's requests")
             for request_id in list(self._running):
                 self._fail(request_id, FailReason.ENGINE_ERROR, "the engine failed in a round", outputs)

@@ -20,19 +20,24 @@ def _status_body(description: str) -> dict:
     return {503: {"description": description, "content": {"application/json": {"schema": schema}}}}
 
 
-@router.get("/health", responses=_status_body("the model failed to load for good: restart"))
+@router.get("/health", responses=_status_body("the model failed to load, or the engine died: restart"))
 async def health(state: State) -> JSONResponse:
-    """200 while the process serves HTTP, even while models load. 503 only when loading failed for good
-    (restarting is the cure)."""
+    """200 while the process serves HTTP, even while models load. 503 only when restarting is the cure:
+    loading failed for good, or the engine cannot go on (the process is stopping itself then)."""
     if state.load_error is not None:
         return JSONResponse({"status": "failed", "detail": state.load_error}, status_code=503)
+    if state.engine_dead is not None:
+        return JSONResponse(
+            {"status": "dead", "detail": f"engine dead: {state.engine_dead}"}, status_code=503
+        )
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/ready", responses=_status_body("loading, unhealthy (the probe failed) or shutting down"))
+@router.get("/ready", responses=_status_body("loading, unhealthy (the probe failed), dead or shutting down"))
 async def ready(state: State) -> JSONResponse:
     """200 once the model is loaded and a target forward succeeded recently (or a 1-token probe just did);
-    503 while loading, when the probe fails, and while shutting down. Reports the OCM store's state."""
+    503 while loading, when the probe fails, when the engine is dead, and while shutting down. Reports the
+    OCM store's state."""
     is_ready, body = await state.readiness()
     if state.worker is not None:
         body["requests"] = {"running": state.worker.running, "waiting": state.worker.waiting}
