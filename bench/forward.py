@@ -123,7 +123,7 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
             continue
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if isinstance(module, FP32LogitsHead):
-            tensors = [module.packed_weight, module.packed_bias]
+            tensors = list(module.packed.buffers())  # counted here, as the head's: its submodule adds 0
         size = 0
         for tensor in tensors:
             if id(tensor) not in seen:

@@ -52,7 +52,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
-from service.decoding.cpu_kernels import replace_linear_layers
+from service.decoding.cpu_kernels import PackedLinear, replace_linear_layers
 from service.decoding.types import DecodingError
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,9 @@ def _row_blocks(rows: torch.Tensor, run) -> torch.Tensor:
 
 class FP32LogitsHead(torch.nn.Module):
     """An LM head that returns fp32 logits from bf16 (or fp32) hidden states: an fp32 copy of the weight,
-    packed for oneDNN, run in row blocks (`_row_blocks`) so a row's logits do not depend on the batch.
-    `weight` stays the model's own (tied) bf16 Parameter, for code that reads it (a draft head binds it)."""
+    packed for oneDNN (`cpu_kernels.PackedLinear`), run in row blocks (`_row_blocks`) so a row's logits do not
+    depend on the batch. `weight` stays the model's own (tied) bf16 Parameter, for code that reads it (a draft
+    head binds it)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -104,23 +105,12 @@ class FP32LogitsHead(torch.nn.Module):
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        with torch.no_grad():
-            weight = linear.weight.detach().float()
-            bias = (
-                linear.bias.detach().float() if linear.bias is not None else weight.new_zeros(weight.shape[0])
-            )
-            # buffers, not parameters: the bf16 Parameter is the model's; this is a derived kernel layout
-            self.register_buffer("packed_weight", weight.to_mkldnn(), persistent=False)
-            self.register_buffer("packed_bias", bias.to_mkldnn(), persistent=False)
+        self.packed = PackedLinear(linear)  # a derived kernel layout: buffers, never saved
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, shape[-1]).float()
-        y = _row_blocks(rows, self._block)
+        y = _row_blocks(x.reshape(-1, shape[-1]).float(), self.packed)
         return y.reshape(*shape[:-1], self.out_features)
-
-    def _block(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch._C._nn.mkldnn_linear(rows.to_mkldnn(), self.packed_weight, self.packed_bias).to_dense()
 
 
 class FP32Norm(torch.nn.Module):

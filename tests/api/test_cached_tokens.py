@@ -25,38 +25,25 @@ def _system() -> str:
     )
 
 
-def _chat(client: openai.OpenAI, system: str, stream: bool) -> int:
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": "When are you open?"}]
+def _cached(create, stream: bool, **request) -> int:
+    """The cached tokens a chat or completions call reports, whole or in its streamed usage chunk."""
     if not stream:
-        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
-        return reply.usage.prompt_tokens_details.cached_tokens
-    chunks = client.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        max_tokens=4,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+        return create(**request).usage.prompt_tokens_details.cached_tokens
+    chunks = create(**request, stream=True, stream_options={"include_usage": True})
     (usage,) = [c.usage for c in chunks if c.usage is not None]
     return usage.prompt_tokens_details.cached_tokens
+
+
+def _chat(client: openai.OpenAI, system: str, stream: bool) -> int:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "When are you open?"}]
+    create = client.chat.completions.create
+    return _cached(create, stream, model=MODEL, messages=messages, max_tokens=4, temperature=0)
 
 
 def _completion(client: openai.OpenAI, system: str, stream: bool) -> int:
     prompt = f"{system}\nQuestion: when are you open?\nAnswer:"
-    if not stream:
-        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
-        return reply.usage.prompt_tokens_details.cached_tokens
-    chunks = client.completions.create(
-        model=MODEL,
-        prompt=prompt,
-        max_tokens=4,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    (usage,) = [c.usage for c in chunks if c.usage is not None]
-    return usage.prompt_tokens_details.cached_tokens
+    create = client.completions.create
+    return _cached(create, stream, model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
 
 
 def _response(client: openai.OpenAI, system: str, stream: bool) -> int:

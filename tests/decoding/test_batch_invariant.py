@@ -71,14 +71,19 @@ def test_a_chunk_gives_the_bits_of_one_token_forwards(bf16):
     assert torch.equal(chunked, single)
 
 
+def _bf16_linear_and_rows(out_features: int, count: int, seed: int) -> tuple[torch.nn.Linear, torch.Tensor]:
+    """A random bf16 linear layer 576 -> out_features and `count` random bf16 input rows."""
+    generator = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(576, out_features, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, 576, generator=generator))
+    return linear, torch.randn(count, 576, generator=generator).to(torch.bfloat16)
+
+
 def test_rows_past_a_kernels_32_row_block_keep_the_bits_they_have_alone():
     # oneDNN switches to another blocking past 32 rows, which sums a row in another order: a batch verifying
     # 7 rows x 7 tokens flipped near-ties its rows alone did not. Blocks of at most ROW_BLOCK rows keep them.
-    generator = torch.Generator().manual_seed(0)
-    linear = torch.nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(1536, 576, generator=generator))
-    rows = torch.randn(100, 576, generator=generator).to(torch.bfloat16)
+    linear, rows = _bf16_linear_and_rows(1536, 100, seed=0)
     blocked = RowInvariantLinear(linear)
     with torch.inference_mode():
         alone = torch.cat([blocked(row[None]) for row in rows])
@@ -120,11 +125,7 @@ def test_the_logits_are_fp32_while_the_body_stays_bf16(bf16):
 
 
 def test_fp32_logits_keep_their_bits_for_any_row_count():
-    generator = torch.Generator().manual_seed(1)
-    linear = torch.nn.Linear(576, 4096, bias=False).to(torch.bfloat16)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(4096, 576, generator=generator))
-    rows = torch.randn(80, 576, generator=generator).to(torch.bfloat16)
+    linear, rows = _bf16_linear_and_rows(4096, 80, seed=1)
     head = FP32LogitsHead(linear)
     with torch.inference_mode():
         alone = torch.cat([head(row[None]) for row in rows])
