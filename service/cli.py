@@ -25,6 +25,7 @@ from ocm_store.base import OCMStoreError
 from service.decoding.drafter_registry import DRAFTER_NAMES, describe_drafters
 from service.decoding.types import DecodingError, Method, SamplingParams
 from service.log_format import configure_root
+from service.threads import prepare_wait_policy
 
 EXIT_USAGE = 2
 
@@ -50,6 +51,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--redis-url", help="shared OCM in Redis: redis[s]://, redis[s]+sentinel://, redis[s]+cluster://"
     )
     g.add_argument("--ocm-path", type=Path, help="file the in-process OCM persists to")
+    g.add_argument(
+        "--torch-threads",
+        type=int,
+        help="torch intra-op threads (default: the CPUs this process may use by affinity mask and cgroup "
+        "quota, less those other processes keep busy)",
+    )
 
 
 def _add_speculation_options(p: argparse.ArgumentParser) -> None:
@@ -535,7 +542,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--prefix-cache-gib", type=float, metavar="GIB", help="prefix cache bound (default: 10%% of memory)"
     )
-    g.add_argument("--torch-threads", type=int, help="torch intra-op threads")
     g.add_argument(
         "--record-traffic",
         type=Path,
@@ -591,6 +597,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _requested_threads(args: argparse.Namespace) -> int | None:
+    """--torch-threads, else CSD_TORCH_THREADS where it is a number (Settings validates it later)."""
+    if args.torch_threads is not None:
+        return args.torch_threads
+    try:
+        return int(os.environ["CSD_TORCH_THREADS"])
+    except (KeyError, ValueError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     log_level = os.environ.get("CSD_LOG_LEVEL", "WARNING")
     if log_level.lower() not in LOG_LEVELS:
@@ -598,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     configure_root(log_level)
     args = build_parser().parse_args(argv)
+    if hasattr(args, "torch_threads"):  # a command that runs a model (the others never load torch)
+        # before anything loads torch's OpenMP, which reads its wait policy once (service/threads.py)
+        prepare_wait_policy(_requested_threads(args))
     if getattr(args, "lambda_", None) is not None and math.isnan(args.lambda_):
         print("csd: error: lambda must be a number >= 0", file=sys.stderr)
         return EXIT_USAGE

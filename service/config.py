@@ -32,7 +32,12 @@ class Settings(BaseSettings):
     dtype: str = "auto"
     device: str = "cpu"
     cache_dir: Path = Field(default_factory=default_cache_dir)
-    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads (default: the CPUs this process may use: its affinity mask, "
+        "capped by its cgroup CPU quota and by the CPUs other processes leave idle at start-up)",
+    )
     pack_cpu_weights: bool = Field(
         True, description="fp32 CPU models: pack linear weights for oneDNN (faster multi-token forwards)"
     )

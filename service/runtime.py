@@ -33,8 +33,28 @@ from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.drafter_registry import DrafterInputs, build_drafters, drafter_entry
 from service.decoding.forward_costs import CostMeasurement
 from service.decoding.prefix_cache import PrefixCache, default_max_bytes, prefix_caching_unsupported
+from service.threads import ThreadChoice, ThreadGovernor, choose_threads, install_governor, oversubscription
 
 log = logging.getLogger(__name__)
+
+
+def apply_threads(requested: int | None) -> ThreadChoice:
+    """Give torch the intra-op threads `requested`, else as many as the CPUs this process may use
+    (`threads.choose_threads`: affinity mask and cgroup CPU quota, not the host's cores, less the CPUs other
+    processes keep busy) and follow those while serving (`threads.ThreadGovernor`); log the choice, and warn
+    when the threads will compete for CPUs (a descheduled thread stalls every barrier of a forward)."""
+    choice = choose_threads(requested)
+    torch.set_num_threads(choice.threads)
+    log.info("%s", choice.describe())
+    # an explicit count is the operator's: kept as given; the default follows the idle CPUs while serving
+    install_governor(ThreadGovernor(choice, torch.set_num_threads) if requested is None else None)
+    if reason := oversubscription(choice):
+        log.warning(
+            "CPU oversubscribed: %s; a forward waits for its slowest thread, so generation may slow down "
+            "many times: give the process its own CPUs, or lower --torch-threads",
+            reason,
+        )
+    return choice
 
 
 @dataclass
@@ -55,8 +75,7 @@ class Runtime:
 
     @classmethod
     def build(cls, settings: Settings, store: OCMStore | None = None) -> Runtime:
-        if settings.torch_threads:
-            torch.set_num_threads(settings.torch_threads)
+        apply_threads(settings.torch_threads)
         target = load_model(
             settings.model,
             dtype=settings.dtype,
