@@ -2,7 +2,7 @@
 threads and for every explicit thread count under both OpenMP wait policies, with and without other busy
 processes on the same CPUs (a second replica, a Redis, a noisy neighbour under a Kubernetes CPU limit).
 
-    python -m bench.threads                      # idle and busy (1 competing process), 64 tokens, 3 requests
+    python -m bench.threads                      # idle, busy before and after start (1 process), 64 tokens
     python -m bench.threads --competitors 2 --max-tokens 32
 
 Each configuration runs in a process of its own, because OpenMP reads its wait policy once, when torch loads
@@ -39,7 +39,7 @@ COMPETITOR = "while True:\n    pass\n"  # one CPU kept busy, as long as the benc
 class Config:
     name: str
     threads: int | None  # None: csd's default choice
-    policy: str | None  # OMP_WAIT_POLICY; None: csd's default (PASSIVE unless the environment sets one)
+    policy: str | None  # OMP_WAIT_POLICY; None: csd's own choice (threads.prepare_wait_policy)
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "CSD_TORCH_THREADS")}

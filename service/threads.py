@@ -237,9 +237,9 @@ def prepare_wait_policy(requested: int | None) -> bool:
 
     Without a flag the thread count fits the idle CPUs (`choose_threads`) and the `ThreadGovernor` follows
     them while serving, so OpenMP keeps its default, spinning briefly at a barrier: on 2 idle CPUs a request
-    took 1.8x as long with waits passive, each barrier paying a thread's wake-up (bench.threads). With more
-    threads than idle CPUs a waiting thread should sleep instead: beside one busy process, 2 threads took
-    1.8x one thread's time waiting passively and 5.2x spinning."""
+    took 1.87x as long with waits passive, each barrier paying a thread's wake-up (bench.threads, Intel
+    Xeon). With more threads than idle CPUs a waiting thread should sleep instead: beside one busy process,
+    2 threads took 1.11x one thread's time waiting passively and 2.12x spinning."""
     global _startup_busy
     if WAIT_POLICY_VARIABLE in os.environ or "torch" in sys.modules:
         return False
