@@ -23,9 +23,9 @@ from pydantic_settings import SettingsError
 
 from ocm_store.base import OCMStoreError
 from service.decoding.drafter_registry import DRAFTER_NAMES, describe_drafters
+from service.decoding.threads import prepare_wait_policy
 from service.decoding.types import DecodingError, Method, SamplingParams
 from service.log_format import configure_root
-from service.threads import prepare_wait_policy
 
 EXIT_USAGE = 2
 
@@ -615,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_root(log_level)
     args = build_parser().parse_args(argv)
     if hasattr(args, "torch_threads"):  # a command that runs a model (the others never load torch)
-        # before anything loads torch's OpenMP, which reads its wait policy once (service/threads.py)
+        # before anything loads torch's OpenMP, which reads its wait policy once (service/decoding/threads.py)
         prepare_wait_policy(_requested_threads(args))
     if getattr(args, "lambda_", None) is not None and math.isnan(args.lambda_):
         print("csd: error: lambda must be a number >= 0", file=sys.stderr)

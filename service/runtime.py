@@ -33,7 +33,13 @@ from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.drafter_registry import DrafterInputs, build_drafters, drafter_entry
 from service.decoding.forward_costs import CostMeasurement
 from service.decoding.prefix_cache import PrefixCache, default_max_bytes, prefix_caching_unsupported
-from service.threads import ThreadChoice, ThreadGovernor, choose_threads, install_governor, oversubscription
+from service.decoding.threads import (
+    ThreadChoice,
+    ThreadGovernor,
+    choose_threads,
+    install_governor,
+    oversubscription,
+)
 
 log = logging.getLogger(__name__)
 

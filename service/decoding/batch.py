@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from service import threads
+from service.decoding import threads
 from service.decoding.batch_kv import BatchKV
 from service.decoding.draft_policy import DraftPolicy, RowOffer
 from service.decoding.drafters.base import BatchDrafter, Draft, DraftRow
@@ -144,7 +144,7 @@ class Batch:
     def step(self) -> list[tuple[Generation, GenerationStep]]:
         """One prefill chunk (if a sequence is joining) and one decoding round (if any is running)."""
         self.failed = []
-        threads.tick()  # the model thread follows the idle CPUs (service/threads.py)
+        threads.tick()  # the model thread follows the idle CPUs (service/decoding/threads.py)
         with torch.inference_mode():
             self._prefill_chunk()
             if not self.running:
