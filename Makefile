@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test run lint bench bench-quick docs docs-serve clean
+.PHONY: setup test run lint bench bench-quick peer-llama-cpp docs docs-serve clean
 
 $(BIN)/csd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ bench: setup
 
 bench-quick: setup
 	$(BIN)/python -m bench --quick
+
+# The llama.cpp peer of `python -m bench.llama_cpp` (optional): the prebuilt library node-llama-cpp ships,
+# under .peers/ (ignored by git), about 700 MB with every platform's binaries
+peer-llama-cpp:
+	mkdir -p .peers/llama-cpp
+	cd .peers/llama-cpp && { [ -f package.json ] || npm init -y >/dev/null; } && npm install --no-audit --no-fund node-llama-cpp@3.22.1
 
 # The documentation site (mkdocs.yml, docs/): a strict build into site/, or served with live reload.
 docs: setup

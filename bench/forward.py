@@ -7,6 +7,8 @@ engine serves today:
 - `fp32`: `load_model(dtype="float32")`, the linear layers packed for oneDNN (`cpu_kernels`), SDPA attention;
 - `bf16`: `load_model(dtype="bfloat16")`, made batch-invariant (`batch_invariant`): matmuls in row blocks of
   2-32, row-aligned eager attention, the final norm and LM head in fp32;
+- `int4`: `load_model(weights="int4")` (what `--weights auto` serves for a 4-bit GGUF on the CPU): the linear
+  layers' 4-bit groups (`int4_weights`) in bf16's batch-invariant body, the LM head in fp32;
 - `hf-fp32` / `hf-bf16` (references, not served): the stock transformers model (`nn.Linear`, SDPA) through the
   same cache, to show what the engine's kernels change.
 
@@ -83,6 +85,7 @@ class Format:
     dtype: str
     engine: bool  # the engine's own kernels (load_model's defaults), or the stock transformers model
     what: str
+    weights: str = "dense"
 
 
 FORMATS = {
@@ -92,18 +95,31 @@ FORMATS = {
         Format(
             "bf16", "bfloat16", True, "row-blocked bf16 matmuls, row-aligned eager attention, fp32 LM head"
         ),
+        Format(
+            "int4",
+            "auto",
+            True,
+            "4-bit weights in groups of 32 (the GGUF's Q4_1 blocks), bf16 body as bf16's, fp32 LM head",
+            weights="int4",
+        ),
         Format("hf-fp32", "float32", False, "stock transformers: nn.Linear, SDPA (reference)"),
         Format("hf-bf16", "bfloat16", False, "stock transformers: nn.Linear, SDPA (reference)"),
     )
 }
-DEFAULT_FORMATS = ("fp32", "bf16", "hf-fp32")
-QUICK_FORMATS = ("fp32", "bf16")
+DEFAULT_FORMATS = ("fp32", "bf16", "int4", "hf-fp32")
+QUICK_FORMATS = ("fp32", "bf16", "int4")
 
 
 def load_format(spec: str, fmt: Format):
     from service.decoding import load_model
 
-    return load_model(spec, dtype=fmt.dtype, pack_cpu_weights=fmt.engine, batch_invariant=fmt.engine)
+    return load_model(
+        spec,
+        dtype=fmt.dtype,
+        pack_cpu_weights=fmt.engine,
+        batch_invariant=fmt.engine,
+        weights=fmt.weights if fmt.engine else "dense",
+    )
 
 
 # ---------------------------------------------------------------- bytes and bandwidth
@@ -456,7 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Milliseconds per target forward through the engine's path, by width, rows and weight "
         "format, split by the torch profiler, beside the memory-bandwidth bound.",
     )
-    p.add_argument("--quick", action="store_true", help="widths 1,8, rows 1,4, fp32 and bf16, 3 repeats")
+    p.add_argument(
+        "--quick", action="store_true", help="widths 1,8, rows 1,4, fp32, bf16 and int4, 3 repeats"
+    )
     p.add_argument(
         "--model", default="embedded", help="target model spec (default: the embedded SmolLM2-135M)"
     )

@@ -45,6 +45,11 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--draft-head", help="weights of the 'head' drafter: 'embedded' (default), a folder, or '' to disable"
     )
     g.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
+    g.add_argument(
+        "--weights",
+        choices=("auto", "dense", "int4"),
+        help="int4: 4-bit weights (CPU); auto (default): int4 for a 4-bit GGUF on the CPU, else dense",
+    )
     g.add_argument("--device", help="cpu | cuda | cuda:N | auto")
     g.add_argument("--cache-dir", type=Path, help="where converted GGUF weights and the OCM file live")
     g.add_argument(
@@ -75,7 +80,7 @@ def _add_speculation_options(p: argparse.ArgumentParser) -> None:
 
 
 _SETTING_FLAGS = (
-    "model", "draft_model", "draft_head", "dtype", "device", "cache_dir", "redis_url", "ocm_path", "method", "drafter",
+    "model", "draft_model", "draft_head", "dtype", "weights", "device", "cache_dir", "redis_url", "ocm_path", "method", "drafter",
     "num_speculative_tokens", "tau", "lambda_", "ngram_min", "ngram_max", "host", "port", "api_keys",
     "served_model_name", "torch_threads", "max_queue", "max_batch_size", "max_batched_tokens", "max_tokens_cap", "default_max_tokens",
     "default_temperature", "request_timeout_s", "max_body_bytes", "body_timeout_s", "shutdown_grace_s",

@@ -30,6 +30,11 @@ class Settings(BaseSettings):
         "target is it), a folder, or empty to disable",
     )
     dtype: str = "auto"
+    weights: Literal["auto", "dense", "int4"] = Field(
+        "auto",
+        description="linear layers' weights: 'int4' (4-bit groups of 32, CPU only), 'dense' (the dtype's), "
+        "'auto' (int4 for a 4-bit GGUF file on the CPU, as the embedded model is; dense elsewhere)",
+    )
     device: str = "cpu"
     cache_dir: Path = Field(default_factory=default_cache_dir)
     torch_threads: int | None = Field(

@@ -43,6 +43,7 @@ def cost_key(target: LoadedModel, max_tokens: int, max_rows: int, pack_cpu_weigh
         "version": MEASUREMENT_VERSION,
         "model": target.identity,
         "dtype": str(target.model.dtype),
+        "weights": target.weights,
         "device": device.type,
         "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "cpu": cpu_name(),

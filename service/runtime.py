@@ -88,14 +88,18 @@ class Runtime:
             device=settings.device,
             cache_dir=settings.cache_dir,
             pack_cpu_weights=settings.pack_cpu_weights,
+            weights=settings.weights,
         )
-        # say which dtype `auto` chose: bf16 on a CPU with native bf16 matmuls, fp32 on one without
+        # say what `auto` chose: int4 weights for a 4-bit GGUF on the CPU; bf16 on a CPU with native bf16
+        # matmuls, fp32 on one without
         log.info(
-            "target %s in %s on %s (--dtype %s)",
+            "target %s in %s with %s weights on %s (--dtype %s, --weights %s)",
             target.identity,
             str(target.model.dtype).removeprefix("torch."),
+            target.weights,
             target.device,
             settings.dtype,
+            settings.weights,
         )
         draft = None
         if settings.draft_model:
@@ -105,6 +109,7 @@ class Runtime:
                 device=settings.device,
                 cache_dir=settings.cache_dir,
                 pack_cpu_weights=settings.pack_cpu_weights,
+                weights=settings.weights,
             )
             check_same_vocabulary(target, draft)
         head = _load_head(settings, target)

@@ -31,7 +31,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     dtype = str(default_cpu_dtype()).removeprefix("torch.")
     reporter.write_line(f"cpu: {cpu_name()}, {len(os.sched_getaffinity(0))} usable cores")
-    reporter.write_line(f"cpu flags: {simd_summary()}; --dtype auto serves {dtype}")
+    from service.decoding.int4_weights import gguf_is_4bit, int4_supported
+    from service.decoding.paths import embedded_gguf_path
+
+    weights = "int4" if int4_supported() and gguf_is_4bit(embedded_gguf_path()) else "dense"
+    reporter.write_line(
+        f"cpu flags: {simd_summary()}; --dtype auto serves {dtype}; the embedded model's weights: {weights}"
+    )
 
 
 @pytest.fixture(scope="session")

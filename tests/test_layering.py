@@ -26,8 +26,9 @@ FORBIDDEN = (
     "service.cli",
 )
 # safetensors: the weights format of transformers itself (a dependency of it), for the draft head's files;
-# llguidance: the grammar engine that structured output masks logits with (a decoding concern, no I/O)
-ALLOWED_THIRD_PARTY = {"torch", "transformers", "safetensors", "llguidance"}
+# llguidance: the grammar engine that structured output masks logits with (a decoding concern, no I/O);
+# gguf: the GGUF reader transformers loads GGUF files with, for a file's tensor types (int4_weights)
+ALLOWED_THIRD_PARTY = {"torch", "transformers", "safetensors", "llguidance", "gguf"}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -10,12 +10,14 @@ folder; later loads read them in well under a second.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from service.decoding.batch_invariant import make_batch_invariant
 from service.decoding.cpu_kernels import default_cpu_dtype, pack_linear_layers
+from service.decoding.int4_weights import gguf_is_4bit, int4_supported, quantize_linear_layers
 from service.decoding.paths import check_gguf_header, default_cache_dir, resolve_model_spec
 from service.decoding.types import DecodingError
 
@@ -107,6 +110,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     revision: str  # content identity: a hash of the weights' source, or the hub commit
+    weights: str = "dense"  # how the linear layers hold their weights: "dense" (the dtype's) or "int4"
 
     @property
     def identity(self) -> str:
@@ -228,6 +232,24 @@ def gguf_cache_folder(path: Path, cache_dir: Path) -> Path:
     return cache_dir / "models" / f"{path.stem}-{gguf_content_key(path, cache_dir)}"
 
 
+@contextmanager
+def _quiet_gguf_progress():
+    """transformers' GGUF reader draws a tqdm bar of its own (`tqdm.auto`, which its progress-bar switch does
+    not reach): on a server's first start it wrote an unstamped line into a log where every line carries a
+    timestamp. Our own log line says the conversion runs; the bar is turned off while it does."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
 def _convert_gguf(path: Path, cache_dir: Path) -> Path:
     """Dequantise a GGUF file once and keep it as safetensors; returns the cached folder."""
     target = gguf_cache_folder(path, cache_dir)
@@ -236,10 +258,11 @@ def _convert_gguf(path: Path, cache_dir: Path) -> Path:
     check_gguf_header(path)
     log.info("converting %s to safetensors under %s (first load only)", path, target)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
+        with _quiet_gguf_progress():
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32
+            )
     except Exception as exc:  # transformers raises a zoo of types for a broken file
         raise DecodingError(f"cannot load GGUF file {str(path)!r}: {exc}") from exc
     # The weights are already dequantised; drop the GGUF marker so save_pretrained accepts them.
@@ -274,6 +297,7 @@ def load_model(
     trust_remote_code: bool = False,
     pack_cpu_weights: bool = True,
     batch_invariant: bool = True,
+    weights: str = "auto",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer. device: "cpu", "cuda", "cuda:1", or "auto" (device_map="auto").
 
@@ -284,9 +308,15 @@ def load_model(
     model is made batch-invariant (`batch_invariant`) unless `batch_invariant=False`: only for a model whose
     outputs are compared with nothing, such as the training corpus writer (row-aligned attention gathers every
     padded row's keys per layer and step: at 48 left-padded rows of 230-460 prompt tokens it decoded 3.4x
-    slower than SDPA)."""
+    slower than SDPA).
+
+    `weights`: "int4" keeps the linear layers' weights in 4-bit groups of 32 (`int4_weights`; CPU only, a bf16
+    body), "dense" in the dtype's own format, "auto" int4 for a GGUF file whose linear layers are 4-bit
+    already (the file's own precision: the Q4_1 blocks are found again exactly) on a CPU, dense elsewhere."""
     if dtype not in DTYPES:
         raise DecodingError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if weights not in WEIGHTS:
+        raise DecodingError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
     cache_dir = cache_dir or default_cache_dir()
     name, path, gguf_file = resolve_model_spec(spec)
     if gguf_file is not None:
@@ -296,8 +326,13 @@ def load_model(
     else:
         source = str(path) if path is not None else spec
         revision = "local" if path is not None else "hub"
+    weights = _choose_weights(weights, dtype, device, path if gguf_file is not None else None)
     torch_dtype = DTYPES[dtype]
-    if torch_dtype == "auto" and device == "cpu":
+    if weights == "int4":
+        torch_dtype = (
+            torch.float32
+        )  # quantised from the fp32 weights (exact for Q4_1), then the body cast to bf16
+    elif torch_dtype == "auto" and device == "cpu":
         torch_dtype = default_cpu_dtype()
     kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if device == "auto":
@@ -315,7 +350,10 @@ def load_model(
         except (RuntimeError, AssertionError) as exc:
             raise DecodingError(f"cannot place model {spec!r} on device {device!r}: {exc}") from exc
     model.eval()
-    if pack_cpu_weights:
+    if weights == "int4":
+        quantize_linear_layers(model)
+        model.to(torch.bfloat16)
+    elif pack_cpu_weights:
         pack_linear_layers(model)
     # strict speculative decoding's equality with plain decoding depends on it in bf16: every model that
     # serves or drafts keeps it
@@ -323,7 +361,28 @@ def load_model(
         make_batch_invariant(model)
     if revision == "hub":
         revision = str(getattr(model.config, "_commit_hash", None) or "hub")
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, revision=revision)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, revision=revision, weights=weights)
+
+
+WEIGHTS = ("auto", "dense", "int4")
+
+
+def _choose_weights(weights: str, dtype: str, device: str, gguf_path: Path | None) -> str:
+    """What `weights` means for this load: "dense" or "int4" (see `load_model`)."""
+    cpu = device == "cpu"
+    if weights == "auto":
+        four_bit = gguf_path is not None and gguf_is_4bit(gguf_path)
+        return "int4" if four_bit and cpu and dtype == "auto" and int4_supported() else "dense"
+    if weights == "int4":
+        if not cpu:
+            raise DecodingError(
+                f"--weights int4 runs on the CPU only (device {device!r}); use --weights dense"
+            )
+        if not int4_supported():
+            raise DecodingError("--weights int4 needs torch's CPU int4 kernels, which this torch build lacks")
+        if dtype not in ("auto", "bfloat16", "bf16"):
+            raise DecodingError(f"--weights int4 runs a bfloat16 body; --dtype {dtype} asks for another")
+    return weights
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

@@ -38,9 +38,13 @@ def test_quick_command_end_to_end(tmp_path):
     assert "| format | rows | width |" in done.stdout
     result = json.loads((out / "forward.json").read_text())
     assert (out / "forward.md").read_text().count("| fp32 |") == 4
+    assert (out / "forward.md").read_text().count("| int4 |") == 4
     assert result["threads"] == 1 and result["bandwidth"]["read_bytes_per_s"] > 1e8
     formats = {f["format"]: f for f in result["formats"]}
-    assert set(formats) == {"fp32", "bf16"}
+    assert set(formats) == {"fp32", "bf16", "int4"}
+    # int4 reads half a byte a body weight (and its bf16 scales and zeros), the same fp32 head
+    assert formats["int4"]["weight_bytes"] < formats["bf16"]["weight_bytes"] / 1.5
+    assert formats["int4"]["head_bytes"] == formats["fp32"]["head_bytes"]
     # fp32 reads 4 bytes a body weight, bf16 2; both read the same fp32 LM head (bf16's packed copy)
     assert formats["bf16"]["weight_bytes"] < formats["fp32"]["weight_bytes"]
     assert formats["bf16"]["head_bytes"] == formats["fp32"]["head_bytes"] > 0

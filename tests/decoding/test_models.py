@@ -259,3 +259,18 @@ def test_models_that_are_not_fp32_on_the_cpu_are_not_packed():
     half = make_word_model(seed=1).model.to(torch.bfloat16)
     assert pack_linear_layers(half) == 0
     assert any(type(m) is torch.nn.Linear for m in half.modules())
+
+
+def test_the_gguf_conversion_draws_no_progress_bar(capfd):
+    # transformers' GGUF reader calls tqdm.auto itself; on a fresh cache its bar was an unstamped line in the
+    # server's log (tests/api/test_http.py checks every line is stamped, on a machine whose cache is empty)
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from service.decoding.models import _quiet_gguf_progress
+
+    original = gguf_utils.tqdm
+    with _quiet_gguf_progress():
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+    assert "Converting" not in capfd.readouterr().err
+    assert gguf_utils.tqdm is original

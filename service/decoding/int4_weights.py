@@ -1,0 +1,126 @@
+"""4-bit weights on the CPU: the linear layers of a 4-bit GGUF executed from 4-bit blocks, never widened.
+
+A one-token forward of the embedded model is memory-bound: in fp32 it reads 539 MB of weights per token, where
+llama.cpp reads the GGUF's own Q4_1 blocks (76 MB). `Int4Linear` keeps each linear layer as torch's CPU int4
+weight-only layout (`_convert_weight_to_int4pack_for_cpu`, groups of 32 along the input features) and multiplies
+with `_weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + zero per group, q in 0..15.
+
+Q4_1 is exactly that shape: a block of 32 weights is d * q + m with q in 0..15, and llama.cpp's quantiser sets
+m = the block's minimum and d = (max - min) / 15, so every block holds a q = 0 and a q = 15. Re-quantising the
+dequantised weights by each group's min and max therefore finds the file's own q again (`quantize_int4`), with
+scale = d and zero = m + 8 d. Other sources (Q4_0, an fp16 checkpoint) quantise the same way: lossy, which is
+why `load_model` asks for it only where the file is 4-bit already (`gguf_is_4bit`) or the user says so.
+
+torch's int4 CPU kernel is vectorised for bf16 activations only (fp32 ones take a scalar loop ~15x slower), and
+its scales and zeros are bf16: so a model with int4 weights runs a bf16 body, made batch-invariant like any bf16
+CPU model (`batch_invariant`): the int4 kernel gives a row the same bits for any row count (tested), attention
+is row-aligned and the final norm and LM head run in fp32, so strict speculative decoding stays exactly plain
+decoding of the same weights.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GROUP = 32  # weights per (scale, zero): Q4_0/Q4_1's block size
+# the packing's inner tiling: the CPU kernel takes 1 (the CUDA one 2, 4 or 8)
+_INNER_K_TILES = 1
+
+
+def int4_supported() -> bool:
+    """Whether this torch build has the CPU int4 weight-only kernels."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight [N, K] (K a multiple of GROUP) as (q [N, K] int32 in 0..15, scales_and_zeros
+    [K / GROUP, N, 2] fp32): asymmetric per group of GROUP input features, scale = (max - min) / 15 and
+    zero = min + 8 scale, so w ~ (q - 8) * scale + zero."""
+    n, k = weight.shape
+    blocks = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    scale = (high - low) / 15
+    # a constant group (all weights equal) has no spread: any scale, q = 0 and zero = its value - 8 scale
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((blocks - low[..., None]) / safe[..., None]).round().clamp_(0, 15).to(torch.int32)
+    zero = low + 8 * scale
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return q.reshape(n, k), scales_and_zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The dense fp32 weight [N, K] that (q, scales_and_zeros) stand for (the reference the kernel computes
+    with, scales and zeros as stored)."""
+    scale = scales_and_zeros[..., 0].float().t().repeat_interleave(GROUP, dim=1)
+    zero = scales_and_zeros[..., 1].float().t().repeat_interleave(GROUP, dim=1)
+    return (q.float() - 8) * scale + zero
+
+
+class Int4Linear(torch.nn.Module):
+    """An `nn.Linear` with 4-bit grouped weights: bf16 in, bf16 out, any leading shape. Buffers, not
+    parameters: nothing trains them, and a saved model never holds them (they are derived at load)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        q, scales_and_zeros = quantize_int4(linear.weight)
+        self.register_buffer(
+            "packed_weight",
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES),
+            persistent=False,
+        )
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16), persistent=False)
+        bias = linear.bias.detach().to(torch.bfloat16) if linear.bias is not None else None
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed_weight, GROUP, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def quantize_linear_layers(model: torch.nn.Module) -> int:
+    """Replace every plain `nn.Linear` of the model's body (not its LM head, whose logits stay fp32; not a
+    layer whose input features are not a multiple of GROUP) by an `Int4Linear`, from the weights as they are
+    (call it on the fp32 weights, before any cast to bf16); returns how many were replaced."""
+    head = model.get_output_embeddings()
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and child is not head and child.in_features % GROUP == 0:
+                setattr(module, name, Int4Linear(child))
+                replaced += 1
+    log.debug("%d linear layers hold 4-bit weights", replaced)
+    return replaced
+
+
+# GGUF tensor types that hold 4 bits a weight (what "the file is 4-bit already" means for --weights auto)
+_GGUF_4BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"}
+
+
+def gguf_is_4bit(path) -> bool:
+    """Whether the linear layers of a GGUF file (its 2-D tensors but the token embedding and output head)
+    are 4-bit. Reads the header only."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as exc:
+        log.debug("cannot read the tensor types of %s: %s", path, exc)
+        return False
+    kinds = {
+        t.tensor_type.name
+        for t in reader.tensors
+        if len(t.shape) == 2 and t.name.split(".")[0] not in ("token_embd", "output")
+    }
+    return bool(kinds) and kinds <= _GGUF_4BIT

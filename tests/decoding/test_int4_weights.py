@@ -1,0 +1,121 @@
+"""4-bit weights (`service/decoding/int4_weights.py`): the GGUF's own Q4_1 blocks found again exactly, a row's
+output independent of how many rows run together, `--weights auto` choosing int4 only for a 4-bit GGUF on the
+CPU, and strict speculative decoding on int4 equal to plain decoding of the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.decoding import DecodingError, load_model
+from service.decoding.batch_invariant import ATTENTION, FP32LogitsHead
+from service.decoding.int4_weights import (
+    GROUP,
+    Int4Linear,
+    dequantize_int4,
+    gguf_is_4bit,
+    int4_supported,
+    quantize_int4,
+)
+from service.decoding.paths import embedded_gguf_path
+from tests.conftest import make_word_model
+
+pytestmark = [
+    pytest.mark.usefixtures("single_thread"),
+    pytest.mark.skipif(not int4_supported(), reason="this torch build has no CPU int4 kernels"),
+]
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    return load_model("embedded", dtype="float32", weights="dense", pack_cpu_weights=False)
+
+
+@pytest.fixture(scope="module")
+def int4():
+    return load_model("embedded", weights="int4")
+
+
+def test_requantising_the_embedded_q4_1_weights_finds_the_files_blocks_exactly(fp32):
+    # llama.cpp's Q4_1 quantiser puts every block's min at q = 0 and its max at q = 15, so the groups' min
+    # and max give back the file's d and m: nothing is lost against the fp32 weights transformers dequantised
+    head = fp32.model.get_output_embeddings()
+    linears = [m for m in fp32.model.modules() if type(m) is torch.nn.Linear and m is not head]
+    assert len(linears) == 210  # 30 layers x (q, k, v, o, gate, up, down)
+    for linear in linears[:: 7 * 3] + linears[-7:]:  # every projection kind, across the depth
+        q, scales_and_zeros = quantize_int4(linear.weight)
+        assert int(q.min()) == 0 and int(q.max()) == 15
+        assert torch.equal(dequantize_int4(q, scales_and_zeros), linear.weight.detach())
+
+
+def test_weights_that_are_not_4bit_lose_what_4_bits_cannot_hold():
+    weight = torch.randn(64, 4 * GROUP, generator=torch.Generator().manual_seed(0))
+    q, scales_and_zeros = quantize_int4(weight)
+    error = (dequantize_int4(q, scales_and_zeros) - weight).abs()
+    spread = weight.reshape(64, 4, GROUP).amax(-1) - weight.reshape(64, 4, GROUP).amin(-1)
+    # round to the nearest of 16 levels: at most half a step, and not nothing
+    assert float(error.max()) > 0
+    assert bool((error.reshape(64, 4, GROUP) <= spread[..., None] / 30 + 1e-6).all())
+    constant = torch.full((8, GROUP), 0.25)  # a group with no spread keeps its one value
+    assert torch.equal(dequantize_int4(*quantize_int4(constant)), constant)
+
+
+def test_an_int4_layer_computes_its_dequantised_weights_product(fp32):
+    linear = fp32.model.model.layers[3].mlp.down_proj
+    layer = Int4Linear(linear)
+    x = torch.randn(5, linear.in_features, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = layer(x).float()
+        want = x.float() @ dequantize_int4(*quantize_int4(linear.weight)).t()
+    # bf16 scales and zeros and a bf16 output: within a few bf16 steps of the exact product
+    assert float((got - want).norm() / want.norm()) < 0.01
+    assert layer(x[None]).shape == (1, 5, linear.out_features)
+
+
+def test_a_rows_output_does_not_depend_on_how_many_rows_run_together(int4):
+    layer = next(m for m in int4.model.modules() if isinstance(m, Int4Linear))
+    rows = torch.randn(70, layer.in_features, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([layer(row[None]) for row in rows])
+        for count in (2, 7, 32, 33, 49, 70):
+            assert torch.equal(layer(rows[:count]), alone[:count]), count
+
+
+def test_auto_loads_the_embedded_4bit_gguf_as_int4_with_a_batch_invariant_bf16_body(embedded):
+    assert gguf_is_4bit(embedded_gguf_path())
+    assert embedded.weights == "int4"
+    model = embedded.model
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 210
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert model.dtype == torch.bfloat16
+    assert model.config._attn_implementation == ATTENTION
+    assert isinstance(model.get_output_embeddings(), FP32LogitsHead)  # logits stay fp32: no bf16 ties
+
+
+def test_weights_int4_and_dense_are_honoured_and_validated(fp32, tmp_path):
+    assert fp32.weights == "dense" and not any(isinstance(m, Int4Linear) for m in fp32.model.modules())
+    # an explicit dtype keeps the dtype's own weights under auto
+    assert load_model("embedded", dtype="float32").weights == "dense"
+    words = make_word_model(seed=0)
+    folder = tmp_path / "words"
+    words.model.save_pretrained(folder)
+    words.tokenizer.save_pretrained(folder)
+    assert load_model(str(folder)).weights == "dense"  # not a 4-bit file: auto keeps it dense
+    with pytest.raises(DecodingError, match="unknown weights 'int3'"):
+        load_model("embedded", weights="int3")
+    with pytest.raises(DecodingError, match="bfloat16 body"):
+        load_model("embedded", weights="int4", dtype="float32")
+    with pytest.raises(DecodingError, match="CPU only"):
+        load_model("embedded", weights="int4", device="cuda")
+
+
+def test_int4_logits_stay_close_to_the_fp32_models(fp32, int4):
+    ids = fp32.tokenizer("The colour of the theatre was grey, and the centre stage of the")["input_ids"]
+    with torch.inference_mode():
+        want = fp32.model(input_ids=torch.tensor([ids])).logits[0].float()
+        got = int4.model(input_ids=torch.tensor([ids])).logits[0]
+    assert got.dtype == torch.float32
+    # the same weights in a bf16 body: the top token agrees at almost every position
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
+    assert float(agree) >= 0.8, float(agree)
+    assert float((got - want).abs().max()) < 2.0
