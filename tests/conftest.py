@@ -34,7 +34,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from service.decoding.int4_weights import gguf_is_4bit, int4_supported
     from service.decoding.paths import embedded_gguf_path
 
-    weights = "int4" if int4_supported() and gguf_is_4bit(embedded_gguf_path()) else "dense"
+    four_bit = int4_supported() and gguf_is_4bit(embedded_gguf_path())
+    weights = os.environ.get("CSD_WEIGHTS", "auto")
+    weights = ("int4" if four_bit else "dense") if weights == "auto" else weights
     reporter.write_line(
         f"cpu flags: {simd_summary()}; --dtype auto serves {dtype}; the embedded model's weights: {weights}"
     )
@@ -47,7 +49,8 @@ def embedded() -> LoadedModel:
     The converted weights are cached under CSD_CACHE_DIR (default ~/.cache/csd-serve), so only the first
     session on a machine pays the ~15-40 s conversion.
     """
-    return load_model("embedded")
+    # CSD_WEIGHTS as `csd serve` reads it: `make test`'s AVX2-capped run sets dense, to prove the fp32 path
+    return load_model("embedded", weights=os.environ.get("CSD_WEIGHTS", "auto"))
 
 
 def make_tiny_model(embedded: LoadedModel, seed: int = 0, layers: int = 2, hidden: int = 64) -> LoadedModel:

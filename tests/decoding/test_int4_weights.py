@@ -33,7 +33,7 @@ def fp32():
 
 @pytest.fixture(scope="module")
 def int4():
-    return load_model("embedded", weights="int4")
+    return load_model("embedded")  # --weights auto
 
 
 def test_requantising_the_embedded_q4_1_weights_finds_the_files_blocks_exactly(fp32):
@@ -81,10 +81,10 @@ def test_a_rows_output_does_not_depend_on_how_many_rows_run_together(int4):
             assert torch.equal(layer(rows[:count]), alone[:count]), count
 
 
-def test_auto_loads_the_embedded_4bit_gguf_as_int4_with_a_batch_invariant_bf16_body(embedded):
+def test_auto_loads_the_embedded_4bit_gguf_as_int4_with_a_batch_invariant_bf16_body(int4):
     assert gguf_is_4bit(embedded_gguf_path())
-    assert embedded.weights == "int4"
-    model = embedded.model
+    assert int4.weights == "int4"
+    model = int4.model
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 210
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert model.dtype == torch.bfloat16
