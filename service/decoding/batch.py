@@ -259,8 +259,9 @@ class Batch:
     def _round(self) -> list[tuple[Generation, GenerationStep]]:
         started = time.perf_counter()
         # 1. draft: every drafter proposes for its rows, up to each row's budget; a constrained row checks its
-        # draft against its grammar (cut at a forbidden token, forced tokens drafted for free). A row whose
-        # drafting raised leaves the batch here, before the forward
+        # draft against its grammar (cut at a forbidden token, forced tokens drafted for free); every draft is
+        # cut where nothing can follow (after an EOS, before a turn start). A row whose drafting raised
+        # leaves the batch here, before the forward
         drafts = self._draft()
         rows = self.running
         if not rows:
@@ -320,7 +321,7 @@ class Batch:
         for row, generation in enumerate(self.running):
             if row not in failed:
                 try:
-                    drafts[row] = generation.constrain(drafts[row])
+                    drafts[row] = generation.admissible(generation.constrain(drafts[row]))
                 except Exception as exc:
                     failed[row] = exc
         if not failed:

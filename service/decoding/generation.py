@@ -146,6 +146,8 @@ class Generation:
         self.eos_ids = (set() if sampling.ignore_eos else target.eos_token_ids()) | set(
             sampling.stop_token_ids
         )
+        # special tokens that do not end the generation (a chat template's turn start): never drafted
+        self._unending_specials = target.special_token_ids - self.eos_ids
         vocab = target.vocab_size
         if any(not 0 <= t < vocab for t, _ in sampling.logit_bias) or any(
             not 0 <= t < vocab for t in sampling.stop_token_ids
@@ -203,6 +205,19 @@ class Generation:
             draft = Draft(forced, None, FORCED_KEY)
         valid, self._allowed = self.grammar.check_draft(draft.tokens)
         return draft.cut(valid)
+
+    def admissible(self, draft: Draft) -> Draft:
+        """The draft without the tokens that cannot come next: nothing after a token that ends the generation
+        (EOS, a stop token id: emission ends there, so verifying past it is wasted work), and nothing from a
+        special token that does not end it on (an n-gram continued a prompt's "<|im_end|>" into
+        "<|im_start|>", which the target never writes inside its turn). Only shortens: what a strict method
+        emits is the target's choice either way, and CSD's turn guard never rescues a special token."""
+        for i, token in enumerate(draft.tokens):
+            if token in self.eos_ids:
+                return draft.cut(i + 1)
+            if token in self._unending_specials:
+                return draft.cut(i)
+        return draft
 
     def round_tokens(self, draft: Draft) -> list[int]:
         """What the round's forward feeds for this sequence: [last committed token, *draft]."""

@@ -172,21 +172,37 @@ def test_no_rescue_over_the_end_of_turn_through_the_engine():
     keeps the draft wherever it differs, so where the target chose EOS the draft's word would run on."""
     target, other = make_word_model(seed=0), make_word_model(seed=1)
     eos = target.tokenizer.eos_token_id
-    guarded_refusals = 0
-    unguarded_over_eos = 0
-    lengths = {True: 0, False: 0}
+    runs: dict[bool, list] = {True: [], False: []}
     for guard_turns in (True, False):
         memory = InMemoryStore().memory(NS)
         engine = Engine(target, {"other": ModelDrafter(other)}, {"other": memory})
-        for prompt in WORD_PROMPTS:
-            generation = _generate(engine, prompt, guard_turns)
-            replaced = [t.replaced_token_id for t in generation.tokens if t.provenance is Provenance.RESCUED]
-            lengths[guard_turns] += len(generation.tokens)
-            if guard_turns:
-                assert eos not in replaced
-                guarded_refusals += generation.refused_rescues["turn"]
-            else:
-                unguarded_over_eos += replaced.count(eos)
-    # the test has power: unguarded, CSD did rescue over EOS; guarded, the guard refused it
-    assert unguarded_over_eos > 0 and guarded_refusals > 0
-    assert lengths[True] < lengths[False]  # the guarded answers end where the target ended them
+        runs[guard_turns] = [_generate(engine, prompt, guard_turns) for prompt in WORD_PROMPTS]
+    guarded_refusals = sum(g.refused_rescues["turn"] for g in runs[True])
+    for generation in runs[True]:
+        rescued = [t.replaced_token_id for t in generation.tokens if t.provenance is Provenance.RESCUED]
+        assert eos not in rescued
+    # the runs decide alike until the guard refuses a rescue the unguarded run makes: over EOS (the guarded
+    # answer ends there, the unguarded one runs on), over another special token the target chose (the
+    # guarded answer has the target's token), or of the draft's own EOS (the unguarded answer ends early)
+    parted = 0
+    for guarded, unguarded in zip(runs[True], runs[False], strict=True):
+        mine, theirs = [t.token_id for t in guarded.tokens], unguarded.tokens
+        i = next(
+            (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b.token_id),
+            min(len(mine), len(theirs)),
+        )
+        if i == len(mine) == len(theirs):
+            continue
+        parted += 1
+        if i == len(theirs):
+            # the unguarded run rescued the draft's own EOS there: it ended, the target had not
+            assert unguarded.finish_reason == "stop" and len(mine) > i
+            continue
+        assert theirs[i].provenance is Provenance.RESCUED
+        if i == len(mine):
+            assert theirs[i].replaced_token_id == eos and guarded.finish_reason == "stop"
+        else:
+            assert mine[i] == theirs[i].replaced_token_id and mine[i] in target.special_token_ids
+    # the test has power: unguarded, CSD did rescue over EOS; guarded, the guard refused rescues
+    unguarded_over_eos = sum(t.replaced_token_id == eos for g in runs[False] for t in g.tokens)
+    assert unguarded_over_eos > 0 and guarded_refusals > 0 and parted > 0
