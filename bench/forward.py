@@ -8,7 +8,9 @@ engine serves today:
 - `bf16`: `load_model(dtype="bfloat16")`, made batch-invariant (`batch_invariant`): matmuls in row blocks of
   2-32, row-aligned eager attention, the final norm and LM head in fp32;
 - `int4`: `load_model(weights="int4")` (what `--weights auto` serves for a 4-bit GGUF on the CPU): the linear
-  layers' 4-bit groups (`int4_weights`) in bf16's batch-invariant body, the LM head in fp32;
+  layers' 4-bit groups (`int4_weights`) in the body `--dtype auto` picks; `int4-bf16` the same in bf16's
+  batch-invariant body with an fp32 LM head, `int4-fp32` in an fp32 body (SDPA, packed fp32 LM head), the two
+  bodies `auto` chooses between by the CPU's native bf16;
 - `hf-fp32` / `hf-bf16` (references, not served): the stock transformers model (`nn.Linear`, SDPA) through the
   same cache, to show what the engine's kernels change.
 
@@ -37,10 +39,7 @@ is compute- or overhead-bound. bf16 reads its weights once per 32-row block (`we
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import shlex
 import statistics
 import sys
 import time
@@ -54,7 +53,6 @@ from pathlib import Path
 import torch
 
 from bench.forward_report import forward_markdown
-from bench.machine import REPO
 
 CONTEXT = 100
 WIDTHS = (1, 2, 4, 8, 16)
@@ -99,14 +97,28 @@ FORMATS = {
             "int4",
             "auto",
             True,
-            "4-bit weights in groups of 32 (the GGUF's Q4_1 blocks), bf16 body as bf16's, fp32 LM head",
+            "4-bit weights in groups of 32 (the GGUF's Q4_1 blocks) in the body `--dtype auto` picks (as served)",
+            weights="int4",
+        ),
+        Format(
+            "int4-bf16",
+            "bfloat16",
+            True,
+            "4-bit weights in groups of 32, bf16 body as bf16's, fp32 LM head",
+            weights="int4",
+        ),
+        Format(
+            "int4-fp32",
+            "float32",
+            True,
+            "4-bit weights in groups of 32, fp32 body: SDPA, oneDNN-packed fp32 LM head",
             weights="int4",
         ),
         Format("hf-fp32", "float32", False, "stock transformers: nn.Linear, SDPA (reference)"),
         Format("hf-bf16", "bfloat16", False, "stock transformers: nn.Linear, SDPA (reference)"),
     )
 }
-DEFAULT_FORMATS = ("fp32", "bf16", "int4", "hf-fp32")
+DEFAULT_FORMATS = ("fp32", "bf16", "int4-bf16", "int4-fp32", "hf-fp32")
 QUICK_FORMATS = ("fp32", "bf16", "int4")
 
 
@@ -498,23 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1 or args.context < 1 or (args.repeats or 1) < 1 or (args.profile_repeats or 1) < 1:
         print("bench.forward: error: --threads, --context and the repeats must be >= 1", file=sys.stderr)
         return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
+    from bench.machine import start_run, write_run
 
-    from bench.machine import describe, one_line
-    from service.decoding.cpu_kernels import simd_summary
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(args.threads)
-    command = (
-        f"cd {shlex.quote(str(REPO))} && HF_HUB_OFFLINE=1 {shlex.quote(sys.executable)} -m bench.forward "
-        f"{shlex.join(argv)}"
-    ).rstrip()
-    machine = f"{one_line(describe())}; cpu flags: {simd_summary()}"
-    print(f"reproduce: {command}", file=sys.stderr)
-    print(f"machine:   {machine}", file=sys.stderr, flush=True)
+    command, machine = start_run("bench.forward", argv, args.threads)
     started = datetime.now()
     result = run_forward_bench(
         args.model,
@@ -529,13 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(
         command=command, machine_line=machine, quick=args.quick, started=started.isoformat(timespec="seconds")
     )
-    out = args.out or REPO / "bench" / "results" / f"forward-{started.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "forward.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    text = "\n".join([f"Command: `{command}`", "", f"Machine: {machine}", "", *forward_markdown(result), ""])
-    (out / "forward.md").write_text(text, encoding="utf-8")
-    print(text)
-    print(f"wall time {result['wall_seconds']:.0f} s; report in {out}", file=sys.stderr)
+    write_run("forward", args.out, result, forward_markdown(result), started)
     return 0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -281,36 +280,23 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.llama_cpp: error: --workloads must name one; --limit, --max-tokens, --threads >= 1",
               file=sys.stderr)  # fmt: skip
         return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from bench.machine import describe, one_line
     from bench.workloads import WORKLOADS
-    from service.decoding.cpu_kernels import simd_summary
 
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         print(f"bench.llama_cpp: error: unknown workload {unknown[0]!r}; choose from {', '.join(WORKLOADS)}",
               file=sys.stderr)  # fmt: skip
         return 2
-    command = (
-        f"cd {shlex.quote(str(REPO))} && HF_HUB_OFFLINE=1 {shlex.quote(sys.executable)} -m bench.llama_cpp "
-        f"{shlex.join(argv)}"
-    ).rstrip()
-    print(f"reproduce: {command}", file=sys.stderr)
+    from bench.machine import start_run, write_run
+
+    command, machine = start_run("bench.llama_cpp", argv, args.threads)
     started = datetime.now()
     result = run(
         workloads, args.limit, args.max_tokens, args.threads, args.weights,
         log=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
     )  # fmt: skip
-    machine = f"{one_line(describe())}; cpu flags: {simd_summary()}"
     result.update(command=command, machine_line=machine, started=started.isoformat(timespec="seconds"))
-    out = args.out or REPO / "bench" / "results" / f"llama-cpp-{started.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "llama-cpp.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    text = "\n".join([f"Command: `{command}`", "", f"Machine: {machine}", "", *markdown(result), ""])
-    (out / "llama-cpp.md").write_text(text, encoding="utf-8")
-    print(text)
-    print(f"wall time {result['wall_seconds']:.0f} s; report in {out}", file=sys.stderr)
+    write_run("llama-cpp", args.out, result, markdown(result), started)
     return 0
 
 

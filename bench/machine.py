@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
@@ -67,3 +68,43 @@ def one_line(info: dict) -> str:
 
 def reproduce_command(argv: list[str]) -> str:
     return f"cd {shlex.quote(str(REPO))} && HF_HUB_OFFLINE=1 {shlex.quote(sys.executable)} -m bench {shlex.join(argv)}".rstrip()
+
+
+def module_command(module: str, argv: list[str]) -> str:
+    """The command that reproduces `python -m <module> <argv>` from anywhere."""
+    return (
+        f"cd {shlex.quote(str(REPO))} && HF_HUB_OFFLINE=1 {shlex.quote(sys.executable)} -m {module} "
+        f"{shlex.join(argv)}"
+    ).rstrip()
+
+
+def start_run(module: str, argv: list[str], threads: int) -> tuple[str, str]:
+    """What a standalone bench does before it measures: offline, transformers quiet, `threads` torch threads;
+    prints and returns (the command that reproduces the run, the machine line: CPU, kernels, software)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from service.decoding.cpu_kernels import simd_summary
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(threads)
+    command = module_command(module, argv)
+    machine = f"{one_line(describe())}; cpu flags: {simd_summary()}"
+    print(f"reproduce: {command}", file=sys.stderr)
+    print(f"machine:   {machine}", file=sys.stderr, flush=True)
+    return command, machine
+
+
+def write_run(name: str, out: Path | None, result: dict, report: list[str], started) -> Path:
+    """A standalone bench's result as `<name>.json` and `<name>.md` (command, machine, `report`) in `out`
+    (default bench/results/<name>-<started>), the report printed; returns the folder."""
+    out = out or REPO / "bench" / "results" / f"{name}-{started.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    text = "\n".join(
+        [f"Command: `{result['command']}`", "", f"Machine: {result['machine_line']}", "", *report, ""]
+    )
+    (out / f"{name}.md").write_text(text, encoding="utf-8")
+    print(text)
+    print(f"wall time {result['wall_seconds']:.0f} s; report in {out}", file=sys.stderr)
+    return out

@@ -16,18 +16,13 @@ workloads) and on a text:
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import shlex
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
 import torch
-
-from bench.machine import REPO
 
 FORMATS = {
     "bf16": {"dtype": "bfloat16", "weights": "dense"},
@@ -180,22 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
+    from bench.machine import start_run, write_run
 
-    from bench.machine import describe, one_line
-    from service.decoding.cpu_kernels import simd_summary
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    torch.set_num_threads(args.threads)
-    command = (
-        f"cd {shlex.quote(str(REPO))} && HF_HUB_OFFLINE=1 {shlex.quote(sys.executable)} -m bench.weight_quality "
-        f"{shlex.join(argv)}"
-    ).rstrip()
-    machine = f"{one_line(describe())}; cpu flags: {simd_summary()}"
-    print(f"reproduce: {command}", file=sys.stderr)
+    command, machine = start_run("bench.weight_quality", argv, args.threads)
     started = datetime.now()
     result = run(
         args.model,
@@ -205,13 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         log=lambda line: print(f"  {line}", file=sys.stderr, flush=True),
     )
     result.update(command=command, machine_line=machine, started=started.isoformat(timespec="seconds"))
-    out = args.out or REPO / "bench" / "results" / f"weight-quality-{started.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "weight-quality.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    text = "\n".join([f"Command: `{command}`", "", f"Machine: {machine}", "", *markdown(result), ""])
-    (out / "weight-quality.md").write_text(text, encoding="utf-8")
-    print(text)
-    print(f"wall time {result['wall_seconds']:.0f} s; report in {out}", file=sys.stderr)
+    write_run("weight-quality", args.out, result, markdown(result), started)
     return 0
 
 
