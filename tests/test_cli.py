@@ -145,7 +145,10 @@ BAD_INPUTS = [
     (["generate", "hi", "--lambda", "-1"], "invalid lambda"),
     (["generate", "hi", "--temperature", "5"], "temperature must be in [0, 2]"),
     (["generate", "hi", "--drafter", "model"], "needs draft_model"),
-    (["generate", "hi", "--weights", "int4", "--dtype", "float32"], "--weights int4 runs a bfloat16 body"),
+    (
+        ["generate", "hi", "--weights", "int4", "--dtype", "float16"],
+        "--weights int4 runs a bfloat16 or float32 body",
+    ),
     (["generate", "hi", "--weights", "int4", "--device", "cuda"], "--weights int4 runs on the CPU only"),
     (["generate", "hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
     (["generate", "hi", "--model", "{dir}/fake.gguf"], "is not a GGUF file"),

@@ -32,6 +32,17 @@ from 2 to 80 rows tested, 1 and 2 threads. It costs a read of 113 MB of fp32 wei
 bf16 ones: measured on the embedded model (Intel Xeon with AMX, 1 thread, 100 tokens of context, a busy
 host) +5.8 ms at width 1 (85.0 vs 79.1 ms, 1.07x), +8.3 ms at width 4 (1.11x), +9.7 ms at width 8 (1.12x).
 
+**4-bit weights in an fp32 body** (what an AVX2-only CPU serves for a 4-bit GGUF, `int4_weights`) need the
+same: each int4 layer rounds its input to bf16, so fp32's last-bit differences between batch shapes become
+bf16-ulp differences there and grow to ~0.3 in the logits. Such a model gets row-aligned attention too (its
+int4 matmuls are row-invariant, its norms elementwise). Its LM head keeps the packed fp32 kernel: no bf16
+rounding follows it, so its logits differ across batch shapes by fp32 rounding only, as a dense fp32 model's
+do, and running a single row as two (what makes the head row-invariant) would double its cost on an AVX2 CPU
+(oneDNN's one-row kernel reads the 113 MB weight in 7.6 ms, its two-row one took 14.7). fp32 attention needs
+one more step: MKL's fp32 matmul (on an AMD EPYC with AVX2) sums a row of a 4-row or larger matmul in another order
+than one of 1 to 3 rows, yet a row's bits do not depend on its place in a matmul of fixed shape; so in fp32 each
+attention matmul runs exactly FP32_QUERY_BLOCK queries, a short block padded with zero queries.
+
 With all three, a 7-token chunk gives bit-identical logits to 7 one-token forwards, a 48-token chunk too, and a row
 of a padded batch the bits of the same sequence alone (tests/decoding/test_batch_invariant.py). It costs
 little where it matters most: the 7-token forward of the embedded model stays ~1.1x a one-token one (packed
@@ -53,6 +64,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from service.decoding.cpu_kernels import PackedLinear, replace_linear_layers
+from service.decoding.int4_weights import Int4Linear
 from service.decoding.types import DecodingError
 
 log = logging.getLogger(__name__)
@@ -62,6 +74,8 @@ _KEY_BLOCK = 64  # key axis padded to a multiple of this: AVX512 lanes x unrolli
 # the most rows (queries) one matmul call takes: oneDNN's bf16 kernels give a row the same bits for any count
 # from 2 to 32 and other bits past it (measured on AVX512-BF16, 1 and 2 threads)
 ROW_BLOCK = 32
+# queries per attention matmul in fp32, every one (see row_aligned_attention)
+FP32_QUERY_BLOCK = 8
 
 
 class RowInvariantLinear(torch.nn.Module):
@@ -200,6 +214,15 @@ def _masked(mask: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     return mask & ~hidden
 
 
+def _matmul_as(rows: torch.Tensor, other: torch.Tensor, size: int) -> torch.Tensor:
+    """rows [..., n, k] @ other [..., k, m], run as exactly `size` rows (zero rows appended), cut back to n."""
+    count = rows.shape[-2]
+    if count == size:
+        return torch.matmul(rows, other)
+    padded = torch.nn.functional.pad(rows, (0, 0, 0, size - count))
+    return torch.matmul(padded, other)[..., :count, :]
+
+
 def row_aligned_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -218,16 +241,24 @@ def row_aligned_attention(
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     keys_t = key.transpose(2, 3)
+    # bf16: at most ROW_BLOCK queries a matmul (oneDNN gives every count from 2 to 32 the same bits); fp32
+    # (MKL's sgemm sums a row differently for 1-3 rows than for 4 or more): exactly FP32_QUERY_BLOCK
+    # queries a matmul, a short block padded with zero queries, since a row's bits do not depend on its
+    # place in a matmul of a fixed shape
+    fixed = query.dtype == torch.float32
+    block = FP32_QUERY_BLOCK if fixed else ROW_BLOCK
     outputs = []
-    for first in range(0, query.shape[2], ROW_BLOCK):  # at most ROW_BLOCK queries a matmul (see ROW_BLOCK)
-        weights = torch.matmul(query[:, :, first : first + ROW_BLOCK], keys_t) * scaling
+    for first in range(0, query.shape[2], block):
+        rows = query[:, :, first : first + block]
+        size = block if fixed else rows.shape[2]
+        weights = _matmul_as(rows, keys_t, size) * scaling
         if mask is not None:
-            part = mask[:, :, first : first + ROW_BLOCK] if mask.shape[2] > 1 else mask
+            part = mask[:, :, first : first + block] if mask.shape[2] > 1 else mask
             weights = (
                 weights + part if part.is_floating_point() else weights.masked_fill(~part, float("-inf"))
             )
         weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-        outputs.append(torch.matmul(weights, value))
+        outputs.append(_matmul_as(weights, value, size))
     output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     # no attention weights (as SDPA): nothing here asks for them, and a long prefill's would be [T, T] a head
     return output.transpose(1, 2).contiguous(), None
@@ -238,17 +269,22 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, eager_mask)
 
 
 def make_batch_invariant(model: torch.nn.Module) -> bool:
-    """Make a bf16 CPU model batch-invariant: one-row matmuls as two, row-aligned eager attention, the final
-    norm and LM head in fp32 (fp32 logits). Returns
-    whether it applied (only to bf16 models on the CPU; idempotent)."""
+    """Make a CPU model whose matmuls round to bf16 batch-invariant: a bf16 model (one-row matmuls as two,
+    row-aligned eager attention, the final norm and LM head in fp32: fp32 logits), or one with 4-bit weights
+    (`Int4Linear` rounds its input to bf16) in an fp32 body (row-aligned attention; its LM head, fed by no
+    bf16 rounding, keeps its packed kernel, whose logits differ across batch shapes by fp32 rounding only, as
+    a dense fp32 model's do). Returns whether it applied (idempotent)."""
     try:
         parameter = next(model.parameters())
     except StopIteration:
         return False
-    if parameter.device.type != "cpu" or parameter.dtype != torch.bfloat16:
+    if parameter.device.type != "cpu":
+        return False
+    bf16 = parameter.dtype == torch.bfloat16
+    if not bf16 and not any(isinstance(m, Int4Linear) for m in model.modules()):
         return False
     head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear and torch.backends.mkldnn.is_available():
+    if bf16 and type(head) is torch.nn.Linear and torch.backends.mkldnn.is_available():
         model.set_output_embeddings(FP32LogitsHead(head))
         decoder = model.get_decoder()
         if isinstance(getattr(decoder, "norm", None), torch.nn.Module):

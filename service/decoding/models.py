@@ -310,8 +310,10 @@ def load_model(
     padded row's keys per layer and step: at 48 left-padded rows of 230-460 prompt tokens it decoded 3.4x
     slower than SDPA).
 
-    `weights`: "int4" keeps the linear layers' weights in 4-bit groups of 32 (`int4_weights`; CPU only, a bf16
-    body), "dense" in the dtype's own format, "auto" int4 for a GGUF file whose linear layers are 4-bit
+    `weights`: "int4" keeps the linear layers' weights in 4-bit groups of 32 (`int4_weights`; CPU only; the
+    body, LM head included, in the dtype `dtype` gives: bf16 where the CPU multiplies bf16 natively, fp32
+    elsewhere, where bf16 attention and norms are emulated and cost more than the 4-bit matmuls save), "dense"
+    in the dtype's own format, "auto" int4 for a GGUF file whose linear layers are 4-bit
     already (the file's own precision: the Q4_1 blocks are found again exactly) on a CPU, dense elsewhere."""
     if dtype not in DTYPES:
         raise DecodingError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -328,12 +330,10 @@ def load_model(
         revision = "local" if path is not None else "hub"
     weights = _choose_weights(weights, dtype, device, path if gguf_file is not None else None)
     torch_dtype = DTYPES[dtype]
-    if weights == "int4":
-        torch_dtype = (
-            torch.float32
-        )  # quantised from the fp32 weights (exact for Q4_1), then the body cast to bf16
-    elif torch_dtype == "auto" and device == "cpu":
+    if torch_dtype == "auto" and device == "cpu":
         torch_dtype = default_cpu_dtype()
+    # int4: quantised from the fp32 weights (exact for Q4_1), then the body cast to its dtype
+    body_dtype, torch_dtype = torch_dtype, (torch.float32 if weights == "int4" else torch_dtype)
     kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if device == "auto":
         kwargs["device_map"] = "auto"
@@ -352,9 +352,10 @@ def load_model(
     model.eval()
     if weights == "int4":
         quantize_linear_layers(model)
-        model.to(torch.bfloat16)
-    elif pack_cpu_weights:
-        pack_linear_layers(model)
+        if body_dtype != torch.float32:  # (a cast to fp32 would widen the kernel's bf16 scales too)
+            model.to(body_dtype)
+    if pack_cpu_weights:
+        pack_linear_layers(model)  # fp32 only: every linear layer of a dense model, an int4 model's LM head
     # strict speculative decoding's equality with plain decoding depends on it in bf16: every model that
     # serves or drafts keeps it
     if batch_invariant:
@@ -380,8 +381,10 @@ def _choose_weights(weights: str, dtype: str, device: str, gguf_path: Path | Non
             )
         if not int4_supported():
             raise DecodingError("--weights int4 needs torch's CPU int4 kernels, which this torch build lacks")
-        if dtype not in ("auto", "bfloat16", "bf16"):
-            raise DecodingError(f"--weights int4 runs a bfloat16 body; --dtype {dtype} asks for another")
+        if dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
+            raise DecodingError(
+                f"--weights int4 runs a bfloat16 or float32 body; --dtype {dtype} asks for another"
+            )
     return weights
 
 

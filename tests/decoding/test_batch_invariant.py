@@ -1,8 +1,13 @@
-"""bf16 on a CPU with native bf16 matmuls: a k-token forward and a padded batch row give the same bits as
-one-token forwards of the sequence alone (`service/decoding/batch_invariant.py`), so strict SD stays exact.
-Measured on AVX512-BF16; on CPUs that emulate bf16 the kernels differ, so these tests skip there."""
+"""A k-token forward and a padded batch row give the same bits as one-token forwards of the sequence alone
+(`service/decoding/batch_invariant.py`), so strict SD stays exact, for every model whose matmuls round to bf16:
+a bf16 model on a CPU with native bf16 matmuls (measured on AVX512-BF16; on CPUs that emulate bf16 the kernels
+differ, so those tests skip there), and 4-bit weights in an fp32 body (what `--weights auto` serves for the
+embedded model on a CPU without native bf16), which runs on every CPU."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -10,27 +15,69 @@ from transformers import DynamicCache
 
 from service.decoding.batch_invariant import (
     ATTENTION,
+    FP32_QUERY_BLOCK,
     ROW_BLOCK,
     FP32LogitsHead,
     FP32Norm,
     RowInvariantLinear,
+    row_aligned_attention,
 )
-from service.decoding.cpu_kernels import has_native_bf16
+from service.decoding.cpu_kernels import PackedLinear, has_native_bf16
+from service.decoding.int4_weights import int4_supported
 from service.decoding.models import load_model
 from service.decoding.text import encode_chat
 from tests.decoding.test_batch import padded_and_solo_logits
 
-pytestmark = [
-    pytest.mark.usefixtures("single_thread"),
-    pytest.mark.skipif(not has_native_bf16(), reason="this CPU has no native bf16 matmuls"),
-]
+pytestmark = pytest.mark.usefixtures("single_thread")
+needs_native_bf16 = pytest.mark.skipif(not has_native_bf16(), reason="this CPU has no native bf16 matmuls")
 
 
 @pytest.fixture(scope="module")
 def bf16():
+    if not has_native_bf16():
+        pytest.skip("this CPU has no native bf16 matmuls")
     return load_model("embedded", dtype="bfloat16")
 
 
+@pytest.fixture(scope="module")
+def int4_fp32():
+    if not int4_supported():
+        pytest.skip("this torch build has no CPU int4 kernels")
+    return load_model("embedded", dtype="float32", weights="int4")
+
+
+@pytest.fixture(params=["bf16", "int4_fp32"])
+def invariant(request):
+    """Each batch-invariant model in turn."""
+    return request.getfixturevalue(request.param)
+
+
+@contextmanager
+def head_inputs(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """The hidden states the LM head is fed, one tensor [B, T, d] a forward, while the block runs."""
+    seen: list[torch.Tensor] = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(
+        lambda _, args: seen.append(args[0].clone())
+    )
+    try:
+        yield seen
+    finally:
+        hook.remove()
+
+
+def assert_same_bits(loaded, got: torch.Tensor, want: torch.Tensor, got_hidden, want_hidden) -> None:
+    """Logits (and the head's inputs) that batching must not change. A bf16 body's row-blocked fp32 head
+    gives bit-identical logits; an fp32 body keeps the packed head's kernel, so its body must be bit-identical
+    (the head's inputs) and its logits may differ by fp32 rounding alone."""
+    if loaded.model.dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+        return
+    assert torch.equal(got_hidden, want_hidden)
+    assert float((got - want).abs().max()) < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_native_bf16
 def test_a_bf16_cpu_model_is_made_batch_invariant(bf16):
     assert bf16.model.config._attn_implementation == ATTENTION
     assert not any(type(m) is torch.nn.Linear for m in bf16.model.modules())
@@ -42,12 +89,12 @@ def test_a_bf16_cpu_model_is_made_batch_invariant(bf16):
     assert not any(isinstance(m, RowInvariantLinear) for m in writer.modules())
 
 
-def chunks_and_one_token_forwards(bf16, prompt: str, chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def chunks_and_one_token_forwards(loaded, prompt: str, chunks: list[int]) -> None:
     """Greedy decoding of `prompt` one token a forward, then the same tokens fed again in chunks of the given
-    sizes after the same prefill: (chunked logits, one-token logits), position for position, as float."""
-    ids = encode_chat(bf16.tokenizer, [{"role": "user", "content": prompt}])
-    model = bf16.model
-    with torch.inference_mode():
+    sizes after the same prefill: the chunks must give the one-token forwards' bits, position for position."""
+    ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": prompt}])
+    model = loaded.model
+    with torch.inference_mode(), head_inputs(model) as hidden:
         cache = DynamicCache()
         step = model(input_ids=torch.tensor([ids]), cache=cache).logits[0, -1]
         tokens, single = [], []
@@ -63,12 +110,21 @@ def chunks_and_one_token_forwards(bf16, prompt: str, chunks: list[int]) -> tuple
                 model(input_ids=torch.tensor([tokens[first : first + size]]), cache=chunked).logits[0]
             )
             first += size
-    return torch.cat(rows).float(), torch.stack(single)
+    # recorded: a prefill, the one-token forwards, a prefill, the chunks
+    single_hidden = torch.cat([h[0] for h in hidden[1 : 1 + len(single)]])
+    chunked_hidden = torch.cat([h[0] for h in hidden[2 + len(single) :]])
+    assert len(chunked_hidden) == sum(chunks) > 0
+    assert_same_bits(loaded, torch.cat(rows).float(), torch.stack(single), chunked_hidden, single_hidden)
 
 
-def test_a_chunk_gives_the_bits_of_one_token_forwards(bf16):
-    chunked, single = chunks_and_one_token_forwards(bf16, "Explain how a bicycle gear works.", [7, 7, 7])
-    assert torch.equal(chunked, single)
+def test_a_chunk_gives_the_bits_of_one_token_forwards(invariant):
+    chunks_and_one_token_forwards(invariant, "Explain how a bicycle gear works.", [7, 7, 7])
+
+
+def test_chunks_of_every_width_give_the_bits_of_one_token_forwards(invariant):
+    # widths below, at and past fp32's fixed query block, so short blocks are padded at every place
+    chunks = [1, 3, FP32_QUERY_BLOCK - 1, FP32_QUERY_BLOCK, FP32_QUERY_BLOCK + 2, 2]
+    chunks_and_one_token_forwards(invariant, "Name some rivers of Europe.", chunks)
 
 
 def _bf16_linear_and_rows(out_features: int, count: int, seed: int) -> tuple[torch.nn.Linear, torch.Tensor]:
@@ -91,23 +147,27 @@ def test_rows_past_a_kernels_32_row_block_keep_the_bits_they_have_alone():
             assert torch.equal(blocked(rows[:count]), alone[:count]), count
 
 
-def test_a_chunk_wider_than_a_row_block_gives_the_bits_of_one_token_forwards(bf16):
+def test_a_chunk_wider_than_a_row_block_gives_the_bits_of_one_token_forwards(invariant):
     # a 48-token chunk: every projection and both attention matmuls run over more than ROW_BLOCK rows
-    chunked, single = chunks_and_one_token_forwards(bf16, "List ten animals and where they live.", [48])
-    assert len(chunked) > ROW_BLOCK and torch.equal(chunked, single)
+    assert ROW_BLOCK < 48
+    chunks_and_one_token_forwards(invariant, "List ten animals and where they live.", [48])
 
 
-def test_a_padded_batch_row_gives_the_bits_of_the_row_alone(bf16):
+def test_a_padded_batch_row_gives_the_bits_of_the_row_alone(invariant):
     a = encode_chat(
-        bf16.tokenizer, [{"role": "user", "content": "Rewrite in American spelling: the colour grey."}]
+        invariant.tokenizer, [{"role": "user", "content": "Rewrite in American spelling: the colour grey."}]
     )
     b = encode_chat(
-        bf16.tokenizer, [{"role": "user", "content": "Write the days of the week, one per line."}]
+        invariant.tokenizer, [{"role": "user", "content": "Write the days of the week, one per line."}]
     )
-    logits, solo = padded_and_solo_logits(bf16, a, b)  # b's keys no longer start the key axis
-    assert torch.equal(logits, solo[5:])
+    with head_inputs(invariant.model) as hidden:
+        logits, solo = padded_and_solo_logits(invariant, a, b)  # b's keys no longer start the key axis
+    # recorded: b alone, a's and b's prefills, then the batched forward (b is its second row)
+    solo_hidden, batched_hidden = hidden[0][0, 5:], hidden[-1][1, : len(b) - 5]
+    assert_same_bits(invariant, logits, solo[5:], batched_hidden, solo_hidden)
 
 
+@needs_native_bf16
 def test_the_logits_are_fp32_while_the_body_stays_bf16(bf16):
     """bf16 logits step by 0.125 at |logit| 16-32 and tie exactly; the final norm and LM head run in fp32."""
     model = bf16.model
@@ -135,3 +195,32 @@ def test_fp32_logits_keep_their_bits_for_any_row_count():
         # and they are the fp32 products of the bf16 weight, not a bf16-rounded result
         exact = rows.double() @ linear.weight.double().T
         assert (alone.double() - exact).abs().max() < 1e-3
+
+
+def test_an_int4_model_in_an_fp32_body_is_made_batch_invariant(int4_fp32):
+    model = int4_fp32.model
+    assert model.dtype == torch.float32
+    assert model.config._attn_implementation == ATTENTION
+    # its head keeps the packed kernel (fp32 rounding across batch shapes, no bf16 after it); its norms fp32
+    assert isinstance(model.get_output_embeddings(), PackedLinear)
+    assert not isinstance(model.get_decoder().norm, FP32Norm)
+    # loaded to write text compared with nothing, it keeps SDPA
+    writer = load_model("embedded", dtype="float32", weights="int4", batch_invariant=False).model
+    assert writer.config._attn_implementation == "sdpa"
+
+
+def test_fp32_attention_gives_a_query_the_bits_it_has_alone_for_any_query_count():
+    # MKL's fp32 matmul sums a row of 4 or more rows in another order than one of 1-3: every matmul runs
+    # exactly FP32_QUERY_BLOCK queries, so a query's bits do not depend on how many came with it
+    generator = torch.Generator().manual_seed(2)
+    query = torch.randn(1, 9, 40, 64, generator=generator)
+    key, value = (torch.randn(1, 3, 128, 64, generator=generator) for _ in range(2))
+    module = torch.nn.Module()
+
+    def attend(q):
+        return row_aligned_attention(module, q, key, value, None, 0.125)[0]
+
+    with torch.inference_mode():
+        alone = torch.cat([attend(query[:, :, i : i + 1]) for i in range(40)], dim=1)
+        for count in (2, 3, 4, FP32_QUERY_BLOCK, FP32_QUERY_BLOCK + 1, 40):
+            assert torch.equal(attend(query[:, :, :count]), alone[:, :count]), count

@@ -1,23 +1,35 @@
 """4-bit weights (`service/decoding/int4_weights.py`): the GGUF's own Q4_1 blocks found again exactly, a row's
 output independent of how many rows run together, `--weights auto` choosing int4 only for a 4-bit GGUF on the
-CPU, and strict speculative decoding on int4 equal to plain decoding of the same weights."""
+CPU in the body dtype the CPU runs best (bf16 with native bf16, fp32 elsewhere), and strict speculative decoding
+on int4 equal to plain decoding of the same weights in either body."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from service.decoding import DecodingError, load_model
+from service.decoding import (
+    DecodingError,
+    Engine,
+    NgramDrafter,
+    SamplingParams,
+    SpeculativeConfig,
+    load_model,
+    run_alone,
+)
 from service.decoding.batch_invariant import ATTENTION, FP32LogitsHead
+from service.decoding.cpu_kernels import PackedLinear, default_cpu_dtype
 from service.decoding.int4_weights import (
     GROUP,
     Int4Linear,
+    Int4Projection,
     dequantize_int4,
     gguf_is_4bit,
     int4_supported,
     quantize_int4,
 )
 from service.decoding.paths import embedded_gguf_path
+from service.decoding.text import encode_chat
 from tests.conftest import make_word_model
 
 pytestmark = [
@@ -81,15 +93,75 @@ def test_a_rows_output_does_not_depend_on_how_many_rows_run_together(int4):
             assert torch.equal(layer(rows[:count]), alone[:count]), count
 
 
-def test_auto_loads_the_embedded_4bit_gguf_as_int4_with_a_batch_invariant_bf16_body(int4):
+def test_fused_projections_give_each_layer_the_bits_it_has_alone(fp32, int4):
+    dense, fused = fp32.model.model.layers[5], int4.model.model.layers[5]
+    generator = torch.Generator().manual_seed(3)
+    for names, parent in ((("q_proj", "k_proj", "v_proj"), "self_attn"), (("gate_proj", "up_proj"), "mlp")):
+        alone = [Int4Linear(getattr(getattr(dense, parent), n)) for n in names]
+        parts = [getattr(getattr(fused, parent), n) for n in names]
+        for rows in (1, 7, 40):
+            x = torch.randn(1, rows, 576, generator=generator).to(torch.bfloat16)
+            with torch.inference_mode():
+                for part, layer in zip(parts, alone, strict=True):
+                    assert torch.equal(part(x), layer(x)), (names, rows)
+            assert parts[0].group._input is None  # every part taken: no activation held between forwards
+        with torch.inference_mode():  # a caller that feeds one projection another tensor gets its own answer
+            x, y = (torch.randn(2, 576, generator=generator).to(torch.bfloat16) for _ in range(2))
+            assert torch.equal(parts[0](x), alone[0](x)) and torch.equal(parts[1](y), alone[1](y))
+
+
+def test_auto_loads_the_embedded_4bit_gguf_as_int4_in_the_cpus_own_body_dtype(int4):
     assert gguf_is_4bit(embedded_gguf_path())
     assert int4.weights == "int4"
     model = int4.model
-    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 210
+    # q, k, v and gate, up fused per layer (one matmul each); o and down alone
+    assert sum(isinstance(m, Int4Projection) for m in model.modules()) == 150
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 120
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    # the body as `--dtype auto` picks it: bf16 where the CPU multiplies bf16 natively, fp32 elsewhere
+    assert model.dtype == default_cpu_dtype()
+
+
+def test_a_bf16_body_is_batch_invariant_with_fp32_logits():
+    model = load_model("embedded", dtype="bfloat16", weights="int4").model
     assert model.dtype == torch.bfloat16
     assert model.config._attn_implementation == ATTENTION
     assert isinstance(model.get_output_embeddings(), FP32LogitsHead)  # logits stay fp32: no bf16 ties
+    layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
+    assert layer.scales_and_zeros.dtype == torch.bfloat16  # what the kernel takes
+
+
+def test_an_fp32_body_keeps_fp32_activations_and_is_batch_invariant_too():
+    # its int4 matmuls round their input to bf16, which would grow fp32's last-bit differences into flipped
+    # near-ties: so it gets row-aligned attention as a bf16 body does
+    model = load_model("embedded", dtype="float32", weights="int4").model
+    assert model.dtype == torch.float32
+    assert model.config._attn_implementation == ATTENTION
+    assert isinstance(model.get_output_embeddings(), PackedLinear)  # fp32 rounding only, no bf16 after it
+    layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
+    assert layer.scales_and_zeros.dtype == torch.bfloat16  # not widened with the body
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        y = layer(x)
+        assert y.dtype == torch.float32
+        # the kernel's bf16 product, returned in the body's dtype
+        assert torch.equal(y, layer(x.to(torch.bfloat16)).float())
+
+
+@pytest.mark.parametrize("body", ["bfloat16", "float32"])
+def test_strict_sd_on_either_body_is_plain_decoding_of_the_same_weights(body):
+    target = load_model("embedded", dtype=body, weights="int4")
+    engine = Engine(target, {"ngram": NgramDrafter()})
+    ids = encode_chat(
+        target.tokenizer, [{"role": "user", "content": "Write the days of the week, one per line, twice."}]
+    )
+    runs = {}
+    for method in ("vanilla", "sd"):
+        generation = engine.generate(ids, SamplingParams(max_tokens=40), SpeculativeConfig(method), "ngram")
+        list(run_alone(generation))
+        runs[method] = generation
+    assert runs["sd"].stats.num_accepted > 0  # the drafts were verified in multi-token forwards
+    assert [t.token_id for t in runs["sd"].tokens] == [t.token_id for t in runs["vanilla"].tokens]
 
 
 def test_weights_int4_and_dense_are_honoured_and_validated(fp32, tmp_path):
@@ -103,8 +175,8 @@ def test_weights_int4_and_dense_are_honoured_and_validated(fp32, tmp_path):
     assert load_model(str(folder)).weights == "dense"  # not a 4-bit file: auto keeps it dense
     with pytest.raises(DecodingError, match="unknown weights 'int3'"):
         load_model("embedded", weights="int3")
-    with pytest.raises(DecodingError, match="bfloat16 body"):
-        load_model("embedded", weights="int4", dtype="float32")
+    with pytest.raises(DecodingError, match="bfloat16 or float32 body"):
+        load_model("embedded", weights="int4", dtype="float16")
     with pytest.raises(DecodingError, match="CPU only"):
         load_model("embedded", weights="int4", device="cuda")
 
