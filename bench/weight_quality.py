@@ -1,8 +1,8 @@
 """`python -m bench.weight_quality`: what each weight format the engine serves costs in quality, against fp32.
 
 The reference is the fp32 model with the dense weights transformers dequantises from the GGUF file. Each other
-format (`bf16`: bf16 weights and body; `int4`: the file's 4-bit blocks, a bf16 body; both with fp32 logits, as
-the engine serves them) is scored on prompts no drafter or head was fitted on (the bench's chat and grounded
+format (`bf16`: bf16 weights and body; `int4-bf16` / `int4-fp32`: the file's 4-bit blocks in a bf16 or an fp32
+body, and `int4` in the body `--dtype auto` picks on this CPU; all with fp32 logits, as the engine serves them) is scored on prompts no drafter or head was fitted on (the bench's chat and grounded
 workloads) and on a text:
 
 - **greedy agreement**: each format decodes every prompt greedily; the share of fp32's tokens it reproduces
@@ -26,8 +26,11 @@ import torch
 
 FORMATS = {
     "bf16": {"dtype": "bfloat16", "weights": "dense"},
-    "int4": {"dtype": "auto", "weights": "int4"},
+    "int4": {"dtype": "auto", "weights": "int4"},  # as served: the body `--dtype auto` picks on this CPU
+    "int4-bf16": {"dtype": "bfloat16", "weights": "int4"},
+    "int4-fp32": {"dtype": "float32", "weights": "int4"},
 }
+DEFAULT_FORMATS = ("bf16", "int4-bf16", "int4-fp32")
 WINDOW = 512
 
 
@@ -154,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.weight_quality", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="embedded")
     p.add_argument(
-        "--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}"
+        "--formats",
+        default=",".join(DEFAULT_FORMATS),
+        help=f"comma-separated subset of {','.join(FORMATS)} (default {','.join(DEFAULT_FORMATS)})",
     )
     p.add_argument("--limit", type=int, default=8, help="prompts per workload (chat, grounded)")
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")

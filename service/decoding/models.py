@@ -311,7 +311,7 @@ def load_model(
     slower than SDPA).
 
     `weights`: "int4" keeps the linear layers' weights in 4-bit groups of 32 (`int4_weights`; CPU only; the
-    body, LM head included, in the dtype `dtype` gives: bf16 where the CPU multiplies bf16 natively, fp32
+    body in the dtype `dtype` gives: bf16 where the CPU multiplies bf16 natively, fp32
     elsewhere, where bf16 attention and norms are emulated and cost more than the 4-bit matmuls save), "dense"
     in the dtype's own format, "auto" int4 for a GGUF file whose linear layers are 4-bit
     already (the file's own precision: the Q4_1 blocks are found again exactly) on a CPU, dense elsewhere."""
