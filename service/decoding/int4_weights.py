@@ -17,10 +17,11 @@ the model (the body) runs in the dtype `--dtype auto` picks for the CPU:
 - bf16 where the CPU multiplies bf16 natively, made batch-invariant like any bf16 CPU model
   (`batch_invariant`): the int4 kernel gives a row the same bits for any row count (tested), attention is
   row-aligned and the final norm and LM head run in fp32;
-- fp32 elsewhere (AVX2-only CPUs), where bf16 attention, norms and casts are emulated: there an fp32 body with
-  SDPA and the oneDNN-packed fp32 LM head is 1.5x faster than the bf16 one (a one-token forward of the
-  embedded model 49 vs 77 ms, AMD EPYC with AVX2 only, 1 thread, a busy host), and fp32 logits differ across
-  batch shapes by fp32 rounding only, as a dense fp32 model's do.
+- fp32 elsewhere (AVX2-only CPUs), where bf16 attention, norms and casts are emulated: there the fp32 body
+  (row-aligned attention, the oneDNN-packed fp32 LM head) is faster than the bf16 one: a forward of the
+  embedded model 49.1 vs 54.3 ms at width 1, 87.3 vs 105.8 at width 8, 8 rows x 8 tokens 519 vs 687 ms
+  (`python -m bench.forward`, AMD EPYC with AVX2 only, 1 thread, a busy host); batch-invariant too
+  (`batch_invariant`), its logits differing across batch shapes by the head's fp32 rounding only.
 Either way strict speculative decoding stays plain decoding of the same weights (tested).
 """
 
