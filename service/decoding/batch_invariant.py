@@ -39,10 +39,10 @@ int4 matmuls are row-invariant, its norms elementwise). Its LM head keeps the pa
 rounding follows it, so its logits differ across batch shapes by fp32 rounding only, as a dense fp32 model's
 do, and running a single row as two (what makes the head row-invariant) would double its cost on an AVX2 CPU
 (oneDNN's one-row kernel read the 113 MB weight in 7.6 ms, its two-row one in 14.7, under the profiler on
-an AMD EPYC with AVX2 only, 1 thread). fp32 attention needs
-one more step: MKL's fp32 matmul (on an AMD EPYC with AVX2) sums a row of a 4-row or larger matmul in another order
-than one of 1 to 3 rows, yet a row's bits do not depend on its place in a matmul of fixed shape; so in fp32 each
-attention matmul runs exactly FP32_QUERY_BLOCK queries, a short block padded with zero queries.
+an AMD EPYC with AVX2 only, 1 thread). fp32 attention needs one more step: MKL's fp32 matmul (same CPU) sums a
+row of a 4-row or larger matmul in another order than one of 1 to 3 rows, yet a row's bits do not depend on its
+place in a matmul of fixed shape; so in fp32 each attention matmul runs exactly FP32_QUERY_BLOCK queries, a
+short block padded with zero queries.
 
 With all three, a 7-token chunk gives bit-identical logits to 7 one-token forwards, a 48-token chunk too, and a row
 of a padded batch the bits of the same sequence alone (tests/decoding/test_batch_invariant.py). It costs
