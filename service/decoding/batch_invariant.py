@@ -13,7 +13,9 @@ What differs, measured on the embedded model (one thread, AVX512-BF16, torch 2.1
   32 rows it switches to other blockings (33 to a few hundred rows one, larger counts others), each summing
   differently: a batch verifying 7 rows x 7 tokens (49 rows) flipped near-ties the same rows alone did not.
   `RowInvariantLinear` runs every matmul in blocks of 2 to 32 rows (a single row as the row twice), and
-  attention's two matmuls run in blocks of at most 32 queries, where every count gives the same bits.
+  attention's two matmuls in blocks of at most 32 rows (the queries of the heads that share a kv head are
+  the rows of one matmul: 3 heads x 10 queries for the embedded model), where every count gives the same
+  bits.
 - **Attention.** torch's fused SDPA kernel sums a one-query attention differently from a k-query one; eager
   attention (matmul, softmax, matmul) does not, as long as a query's visible keys sit at the same positions of
   the key axis: keys masked at the end of the axis add exact zeros, keys masked in front of them (a batch's
@@ -140,13 +142,6 @@ class FP32Norm(torch.nn.Module):
         return self.norm(x.float())
 
 
-def _repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return states
-    b, heads, length, dim = states.shape
-    return states[:, :, None].expand(b, heads, groups, length, dim).reshape(b, heads * groups, length, dim)
-
-
 class _Alignment:
     """Where each row's visible keys are, worked out once per forward (every layer gets the same mask)."""
 
@@ -215,15 +210,6 @@ def _masked(mask: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     return mask & ~hidden
 
 
-def _matmul_as(rows: torch.Tensor, other: torch.Tensor, size: int) -> torch.Tensor:
-    """rows [..., n, k] @ other [..., k, m], run as exactly `size` rows (zero rows appended), cut back to n."""
-    count = rows.shape[-2]
-    if count == size:
-        return torch.matmul(rows, other)
-    padded = torch.nn.functional.pad(rows, (0, 0, 0, size - count))
-    return torch.matmul(padded, other)[..., :count, :]
-
-
 def row_aligned_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -239,28 +225,42 @@ def row_aligned_attention(
     if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
         raise DecodingError("row-aligned attention has no logit softcap or attention sinks")
     key, value, mask = _aligned(key, value, attention_mask, query.shape[2])
-    groups = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    b, heads, length, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    # grouped-query attention without copying keys and values once per query group: the queries of the
+    # heads that share a kv head are rows of one matmul against it (query head h reads kv head h // groups,
+    # as transformers' repeat_kv). The copies cost more than the matmuls: in the bf16 body at width 1
+    # they were 60 strided copies a forward, the biggest op after the LM head under the profiler.
+    grouped = query.reshape(b, kv_heads, groups, length, dim)
     keys_t = key.transpose(2, 3)
-    # bf16: at most ROW_BLOCK queries a matmul (oneDNN gives every count from 2 to 32 the same bits); fp32
+    # bf16: at most ROW_BLOCK rows a matmul (oneDNN gives every count from 2 to 32 the same bits); fp32
     # (MKL's sgemm sums a row differently for 1-3 rows than for 4 or more): exactly FP32_QUERY_BLOCK
-    # queries a matmul, a short block padded with zero queries, since a row's bits do not depend on its
-    # place in a matmul of a fixed shape
+    # queries a head a matmul, a short block padded with zero queries, since a row's bits do not depend on
+    # its place in a matmul of a fixed shape
     fixed = query.dtype == torch.float32
-    block = FP32_QUERY_BLOCK if fixed else ROW_BLOCK
+    block = FP32_QUERY_BLOCK if fixed else max(1, ROW_BLOCK // groups)
     outputs = []
-    for first in range(0, query.shape[2], block):
-        rows = query[:, :, first : first + block]
-        size = block if fixed else rows.shape[2]
-        weights = _matmul_as(rows, keys_t, size) * scaling
+    for first in range(0, length, block):
+        rows = grouped[:, :, :, first : first + block]
+        count = rows.shape[3]
+        size = block if fixed else count
+        if size > count:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, size - count))
+        weights = torch.matmul(rows.reshape(b, kv_heads, groups * size, dim), keys_t) * scaling
+        weights = weights.view(b, kv_heads, groups, size, keys)[:, :, :, :count]
         if mask is not None:
-            part = mask[:, :, first : first + block] if mask.shape[2] > 1 else mask
+            part = (mask[:, :, first : first + block] if mask.shape[2] > 1 else mask)[:, :, None]
             weights = (
                 weights + part if part.is_floating_point() else weights.masked_fill(~part, float("-inf"))
             )
         weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-        outputs.append(_matmul_as(weights, value, size))
-    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+        if size > count:
+            weights = torch.nn.functional.pad(weights, (0, 0, 0, size - count))
+        out = torch.matmul(weights.reshape(b, kv_heads, groups * size, keys), value)
+        outputs.append(out.view(b, kv_heads, groups, size, dim)[:, :, :, :count])
+    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=3)
+    output = output.reshape(b, heads, length, dim)
     # no attention weights (as SDPA): nothing here asks for them, and a long prefill's would be [T, T] a head
     return output.transpose(1, 2).contiguous(), None
 

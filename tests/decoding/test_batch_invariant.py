@@ -224,3 +224,27 @@ def test_fp32_attention_gives_a_query_the_bits_it_has_alone_for_any_query_count(
         alone = torch.cat([attend(query[:, :, i : i + 1]) for i in range(40)], dim=1)
         for count in (2, 3, 4, FP32_QUERY_BLOCK, FP32_QUERY_BLOCK + 1, 40):
             assert torch.equal(attend(query[:, :, :count]), alone[:, :count]), count
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_aligned_attention_is_attention_with_grouped_query_heads(dtype):
+    # it runs the query heads that share a kv head as rows of one matmul against it (no copy of the keys per
+    # group): the result must be SDPA's with GQA, head for head, through a mask with left padding and a hole
+    generator = torch.Generator().manual_seed(3)
+    queries, length = 13, 70
+    query = torch.randn(2, 9, queries, 64, generator=generator).to(dtype)
+    key, value = (torch.randn(2, 3, length, 64, generator=generator).to(dtype) for _ in range(2))
+    visible = torch.ones(2, length, dtype=torch.bool)
+    visible[1, :5] = False  # row 1: left padding
+    visible[1, 30:33] = False  # and a hole (rejected drafts)
+    causal = torch.ones(queries, length, dtype=torch.bool).tril(length - queries)
+    allowed = causal[None, None] & visible[:, None, None, :]  # [B, 1, T, L]
+    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    with torch.inference_mode():
+        got = row_aligned_attention(torch.nn.Module(), query, key, value, additive, 0.125)[0]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query.float(), key.float(), value.float(), attn_mask=allowed, scale=0.125, enable_gqa=True
+        )
+    assert got.shape == (2, queries, 9, 64)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert float((got.float() - want.transpose(1, 2)).abs().max()) < tolerance
