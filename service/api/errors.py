@@ -65,9 +65,20 @@ INVALID_GRAMMAR = "invalid_grammar"  # a JSON Schema, regex or grammar that does
 INCONSISTENT = "inconsistent_parameters"  # fields that contradict each other, or one that needs another
 TOO_MANY_CHOICES = "batch_size_exceeded"  # n above this server's max_batch_size (a setting)
 PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"  # an id this server does not hold (its state)
+PREVIOUS_RESPONSE_NOT_COMPLETED = "previous_response_not_completed"  # queued, running, failed or cancelled
 SCHEMA_UNSTATED = frozenset(
-    {INVALID_TOKEN_ID, INVALID_GRAMMAR, INCONSISTENT, TOO_MANY_CHOICES, PREVIOUS_RESPONSE_NOT_FOUND}
+    {
+        INVALID_TOKEN_ID,
+        INVALID_GRAMMAR,
+        INCONSISTENT,
+        TOO_MANY_CHOICES,
+        PREVIOUS_RESPONSE_NOT_FOUND,
+        PREVIOUS_RESPONSE_NOT_COMPLETED,
+    }
 )
+# The stored responses' routes (GET, DELETE /v1/responses/{id}, POST .../cancel)
+RESPONSE_NOT_FOUND = "response_not_found"  # 404: an id this server does not hold
+NOT_CANCELLABLE = "response_not_cancellable"  # only a background response can be cancelled
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:

@@ -1,49 +1,46 @@
-"""OpenAI's Responses API (`POST /v1/responses`) on top of the chat-completions machinery.
+"""OpenAI's Responses API (`POST /v1/responses`): the request, and the request as a chat request.
 
 A Responses request is turned into a `ChatCompletionRequest` (input items -> chat messages, `instructions`
 -> a system message, function tools -> chat tools, `text.format` -> `response_format`,
 `max_output_tokens` -> `max_completion_tokens`), so planning, tool-call parsing and structured output are
-the chat endpoint's own (`plan.py`, `tools.py`); errors found there are renamed back to the Responses
+the chat endpoint's own (`plan.py`, `tools/`); errors found there are renamed back to the Responses
 field they come from (`input.3`, `max_output_tokens`, `text.format`).
 
-Output is built by `ResponseBuilder` from the generated text, through the same tool-call parser the chat
-endpoint uses: a `message` item for text, one `function_call` item per call, and, streaming, OpenAI's
-typed events (`response.created`, `response.output_item.added`, `response.output_text.delta`, ...,
-`response.completed`). `previous_response_id` continues a stored conversation: `ResponseStore` keeps the
-last `responses_store_size` conversations in memory (least recently used out first).
+What OpenAI's request may hold and this server cannot honour is refused here with a 400 that names the
+field (`refusal`): reasoning effort and summaries (the served models do not reason), logprobs, a stored
+prompt or conversation object, background mode without the store. The fields accepted and ignored are
+listed in docs/openai-api.md, with these.
+
+The output side is `responses_output.py` (the response object, its items and stream events), the store
+of responses `response_store.py`.
 """
 
 from __future__ import annotations
 
-import collections
-import copy
 import re
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
-from service.api.errors import INCONSISTENT, PREVIOUS_RESPONSE_NOT_FOUND, APIError, bad_request
+from service.api.errors import INCONSISTENT, APIError, bad_request, unsupported
+from service.api.response_store import ResponseStore, StoredResponse
 from service.api.schemas import (
     TOOL_NAME_PATTERN,
     ChatCompletionRequest,
     ChatMessage,
-    ErrorDetail,
     FunctionCallParam,
     FunctionDefinition,
     JsonSchemaFormat,
     ResponseFormat,
     SpeculativeOptions,
-    SpeculativeStats,
     Tool,
     ToolCallParam,
-    _absent_if_none,
     _Request,
     object_schema,
 )
-from service.api.tools import CallArguments, CallStart, TextDelta, ToolEvent, ToolPlan
+
+__all__ = ["ResponseStore", "StoredResponse"]  # app.py builds the store from here
 
 # ---------------------------------------------------------------- the request
 
@@ -140,9 +137,29 @@ class NamedFunction(_Request):
     name: str
 
 
+def _json_schema_needs_name_and_schema(schema: dict[str, Any]) -> None:
+    """OpenAPI only (`chat_form` refuses it with `inconsistent_parameters`): a `json_schema` format has a
+    name and a schema, as OpenAI's has."""
+    schema["anyOf"] = [
+        {"properties": {"type": {"enum": ["text", "json_object"]}}},
+        {
+            "properties": {
+                "type": {"const": "json_schema"},
+                "name": {"type": "string"},
+                "schema": {"type": "object"},
+            },
+            "required": ["name", "schema"],
+        },
+    ]
+
+
 class TextFormat(_Request):
+    model_config = ConfigDict(json_schema_extra=_json_schema_needs_name_and_schema)
+
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = Field(None, max_length=64, description="json_schema: the schema's name")
+    name: str | None = Field(
+        None, pattern=TOOL_NAME_PATTERN, description="json_schema: the schema's name (a-z, A-Z, 0-9, _, -)"
+    )
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema", description="json_schema: a JSON Schema")
     strict: bool | None = Field(None, description="accepted; the schema is always enforced exactly")
@@ -152,105 +169,120 @@ class TextOptions(_Request):
     format: TextFormat | None = None
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+ReasoningSummary = Literal["auto", "concise", "detailed"]
+
+
+class ReasoningOptions(_Request):
+    """OpenAI's reasoning options. The served models do not reason: only "no reasoning" is honoured."""
+
+    effort: ReasoningEffort | None = Field(None, description="'none' or null only: the model does not reason")
+    summary: ReasoningSummary | None = Field(None, description="not supported (no reasoning to summarise)")
+    generate_summary: ReasoningSummary | None = Field(None, description="not supported (summary's old name)")
+
+
+# OpenAI's `include` values. Those naming items this server never makes (hosted tools' results, input
+# images, reasoning) are honoured by having nothing to add; logprobs are not supported.
+Includable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
+
+
 class ResponsesRequest(_Request):
     model: str = Field(description="the served model id (see GET /v1/models)")
     input: Annotated[
-        Annotated[str, Tag("str")] | Annotated[list[InputItem], Field(min_length=1), Tag("list[...]")],
+        Annotated[str, Field(min_length=1), Tag("str")]
+        | Annotated[list[InputItem], Field(min_length=1), Tag("list[...]")],
         Discriminator(_str_or_list),
     ] = Field(description="text (one user message), or a list of messages, function calls and their outputs")
     instructions: str | None = Field(None, description="a system message before the input (not carried over)")
     previous_response_id: str | None = Field(
-        None, description="continue a stored response's conversation (this server keeps the latest ones)"
+        None,
+        min_length=1,
+        description="continue a stored response's conversation (this server keeps the latest ones)",
     )
     max_output_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
+    background: bool | None = Field(
+        None,
+        description="answer at once with the response queued, generate after; poll GET /v1/responses/{id}, "
+        "stop with POST /v1/responses/{id}/cancel (needs store: true; not with stream: true)",
+    )
     tools: list[FunctionTool] | None = Field(None, description="function tools the model may call")
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = Field(None, description="text.format: text, json_object or json_schema")
-    store: bool = Field(True, description="keep the response for previous_response_id")
+    store: bool = Field(
+        True, description="keep the response for GET /v1/responses/{id} and previous_response_id"
+    )
     metadata: dict[str, str] | None = None
     user: str | None = None
-    truncation: Literal["auto", "disabled"] | None = Field(None, description="accepted; never truncates")
+    truncation: Literal["auto", "disabled"] | None = Field(
+        None, description="nothing is truncated: a conversation over the context is refused with either"
+    )
+    reasoning: ReasoningOptions | None = Field(
+        None, description="effort 'none' only: the model does not reason"
+    )
+    include: list[Includable] | None = Field(None, description="every value but message.output_text.logprobs")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="not supported (0 or null only)")
+    conversation: Any = Field(None, description="not supported (send previous_response_id or the input)")
+    prompt: Any = Field(None, description="not supported (a stored prompt template)")
+    context_management: Any = Field(None, description="not supported (nothing is compacted)")
     speculative: SpeculativeOptions | None = None
 
-
-# ---------------------------------------------------------------- the response
-
-
-class OutputText(BaseModel):
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[Any] = Field(default_factory=list)
-
-
-ItemStatus = Literal["in_progress", "completed", "incomplete"]
-
-
-class OutputMessage(BaseModel):
-    type: Literal["message"] = "message"
-    id: str
-    status: ItemStatus
-    role: Literal["assistant"] = "assistant"
-    content: list[OutputText]
-
-
-class OutputFunctionCall(BaseModel):
-    type: Literal["function_call"] = "function_call"
-    id: str
-    call_id: str
-    name: str
-    arguments: str
-    status: ItemStatus
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """(field, what) for the first field set to something this server cannot honour, or None."""
+        reasoning = self.reasoning
+        if reasoning is not None:
+            if reasoning.effort not in (None, "none"):
+                return (
+                    "reasoning.effort",
+                    f"reasoning effort {reasoning.effort!r} (the model does not reason)",
+                )
+            for name in ("summary", "generate_summary"):
+                if getattr(reasoning, name) is not None:
+                    return f"reasoning.{name}", f"reasoning.{name} (the model does not reason)"
+        if self.include is not None and "message.output_text.logprobs" in self.include:
+            return "include", "include 'message.output_text.logprobs' (logprobs on the Responses API)"
+        if self.top_logprobs:
+            return "top_logprobs", "top_logprobs (logprobs on the Responses API)"
+        for name, what in (
+            ("conversation", "conversation (the Conversations API; send previous_response_id or the input)"),
+            ("prompt", "prompt (stored prompt templates)"),
+            ("context_management", "context_management (compaction)"),
+        ):
+            if getattr(self, name):
+                return name, what
+        if self.background and self.stream:
+            return "background", "background together with stream: true (poll GET /v1/responses/{id})"
+        return None
 
 
-class InputTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0
-
-
-class ResponseUsage(BaseModel):
-    input_tokens: int
-    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
-    output_tokens: int
-    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
-    total_tokens: int
-
-
-class IncompleteDetails(BaseModel):
-    reason: Literal["max_output_tokens"]
-
-
-class ResponseObject(BaseModel):
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
-    error: ErrorDetail | None = None
-    incomplete_details: IncompleteDetails | None = None
-    instructions: str | None
-    max_output_tokens: int | None
-    model: str
-    output: list[OutputMessage | OutputFunctionCall]
-    parallel_tool_calls: bool
-    previous_response_id: str | None
-    temperature: float | None
-    top_p: float | None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction
-    tools: list[FunctionTool]
-    text: dict[str, Any]
-    truncation: Literal["auto", "disabled"]
-    usage: ResponseUsage | None
-    metadata: dict[str, str]
-    store: bool
-    user: str | None = None
-    speculative: SpeculativeStats | None = Field(None, exclude_if=_absent_if_none)
+def refusal(body: ResponsesRequest, store: ResponseStore) -> APIError | None:
+    """Why this server refuses the request before any work on it, or None."""
+    refused = body.unsupported_field()
+    if refused is not None:
+        return unsupported(*refused)
+    if body.background and not body.store:
+        return bad_request(
+            "background: true needs store: true (the response is stored to be polled)",
+            param="store",
+            code=INCONSISTENT,
+        )
+    if body.background and store.max_items == 0:
+        return unsupported(
+            "background", "background (this server stores no response: CSD_RESPONSES_STORE_SIZE=0)"
+        )
+    return None
 
 
 # ---------------------------------------------------------------- request -> chat request
@@ -333,6 +365,12 @@ def chat_form(body: ResponsesRequest, history: list[ChatMessage]) -> ChatForm:
                     param="text.format.name",
                     code=INCONSISTENT,
                 )
+            if fmt.schema_ is None:
+                raise bad_request(
+                    "text.format of type json_schema needs a schema",
+                    param="text.format.schema",
+                    code=INCONSISTENT,
+                )
             schema = JsonSchemaFormat(name=fmt.name, schema=fmt.schema_, strict=fmt.strict)
             chat["response_format"] = ResponseFormat(type="json_schema", json_schema=schema)
     try:
@@ -373,239 +411,3 @@ def renamed(error: APIError, origins: list[str]) -> APIError:
         error.param = _RENAMED[param]
         error.message = error.message.replace(param, _RENAMED[param])
     return error
-
-
-# ---------------------------------------------------------------- the store
-
-
-@dataclass
-class StoredResponse:
-    conversation: list[ChatMessage]  # every message up to and including the response's own output
-
-
-class ResponseStore:
-    """The latest responses' conversations, for `previous_response_id`; at most `max_items` of them (least
-    recently used first out). In memory: one replica's, gone at restart (say so to clients: a missing id
-    is a 400 naming previous_response_id)."""
-
-    def __init__(self, max_items: int) -> None:
-        self.max_items = max_items
-        self._items: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def put(self, response_id: str, stored: StoredResponse) -> None:
-        if self.max_items == 0:
-            return
-        self._items[response_id] = stored
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
-
-    def conversation(self, response_id: str) -> list[ChatMessage]:
-        stored = self._items.get(response_id)
-        if stored is None:
-            kept = f"the latest {self.max_items}" if self.max_items else "none (CSD_RESPONSES_STORE_SIZE=0)"
-            raise bad_request(
-                f"no stored response has the id {response_id!r}: this server keeps {kept} in memory, "
-                "and only those created with store: true",
-                param="previous_response_id",
-                code=PREVIOUS_RESPONSE_NOT_FOUND,
-            )
-        self._items.move_to_end(response_id)
-        return list(stored.conversation)
-
-
-# ---------------------------------------------------------------- output items and stream events
-
-
-class ResponseBuilder:
-    """One response's output items, from its generated text; `feed` and `finish` return the stream events
-    that text makes (the JSON answer ignores them and sends `response()`)."""
-
-    def __init__(self, body: ResponsesRequest, model: str, tools: ToolPlan | None) -> None:
-        self.body = body
-        self.id = f"resp_{uuid.uuid4().hex}"
-        self.created_at = int(time.time())
-        self.model = model
-        self.tools = tools
-        self._parser = tools.stream() if tools is not None else None
-        self.items: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None  # the item being written
-        self._space = ""  # with tools: whitespace that may only separate calls, held until text follows
-        self._sequence = 0
-        self.status = "in_progress"
-        self.usage: ResponseUsage | None = None
-        self.speculative: SpeculativeStats | None = None
-
-    # ---- events
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self._sequence, **copy.deepcopy(fields)}
-        self._sequence += 1
-        return event
-
-    def start(self) -> list[dict[str, Any]]:
-        return [
-            self._event("response.created", response=self.response()),
-            self._event("response.in_progress", response=self.response()),
-        ]
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        events: list[ToolEvent] = self._parser.feed(text) if self._parser else [TextDelta(text)]
-        return self._apply(events)
-
-    def finish(self, finish_reason: str, usage: ResponseUsage, speculative: SpeculativeStats) -> list[dict]:
-        out = self._apply(self._parser.close()) if self._parser else []
-        incomplete = finish_reason == "length"
-        if not self.items:  # no text and no call: still one (maybe empty) message
-            out += self._open_message(self._space)
-            self._space = ""
-        out += self._close(incomplete)
-        self.status = "incomplete" if incomplete else "completed"
-        self.usage, self.speculative = usage, speculative
-        # response.completed also when the budget ran out (its response's status says "incomplete"), as
-        # vLLM does: the openai client's stream helper and the Agents SDK wait for that event alone.
-        return [*out, self._event("response.completed", response=self.response())]
-
-    def _apply(self, events: list[ToolEvent]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for event in events:
-            if isinstance(event, TextDelta):
-                out += self._text(event.text)
-            elif isinstance(event, CallStart):
-                out += self._close()
-                self._space = ""  # whitespace between calls is no message
-                item = {
-                    "type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": event.id,
-                    "name": event.name, "arguments": "", "status": "in_progress",
-                }  # fmt: skip
-                self._add(item)
-                out.append(self._event("response.output_item.added", output_index=self._index, item=item))
-            elif isinstance(event, CallArguments) and self._open is not None:
-                self._open["arguments"] += event.arguments
-                out.append(
-                    self._event(
-                        "response.function_call_arguments.delta",
-                        item_id=self._open["id"],
-                        output_index=self._index,
-                        delta=event.arguments,
-                    )  # fmt: skip
-                )
-        return out
-
-    @property
-    def _index(self) -> int:
-        return len(self.items) - 1
-
-    def _add(self, item: dict[str, Any]) -> None:
-        self.items.append(item)
-        self._open = item
-
-    def _text(self, text: str) -> list[dict[str, Any]]:
-        if self._open is not None and self._open["type"] == "message":
-            self._open["content"][0]["text"] += text
-            return [self._text_event("response.output_text.delta", delta=text)]
-        if self.tools is not None and not text.strip():
-            self._space += text
-            return []
-        out = self._close()
-        text, self._space = self._space + text, ""
-        return out + self._open_message(text)
-
-    def _open_message(self, text: str) -> list[dict[str, Any]]:
-        item = {
-            "type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "status": "in_progress",
-            "role": "assistant", "content": [],
-        }  # fmt: skip
-        self._add(item)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        out = [self._event("response.output_item.added", output_index=self._index, item=item)]
-        item["content"].append(part)
-        out.append(self._text_event("response.content_part.added", part=part))
-        if text:
-            part["text"] = text
-            out.append(self._text_event("response.output_text.delta", delta=text))
-        return out
-
-    def _text_event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        assert self._open is not None
-        extra = {"logprobs": []} if kind.startswith("response.output_text") else {}
-        return self._event(
-            kind, item_id=self._open["id"], output_index=self._index, content_index=0, **extra, **fields
-        )
-
-    def _close(self, incomplete: bool = False) -> list[dict[str, Any]]:
-        item = self._open
-        if item is None:
-            return []
-        out: list[dict[str, Any]] = []  # the events below name the item while it is still open
-        if item["type"] == "message":
-            part = item["content"][0]
-            out.append(self._text_event("response.output_text.done", text=part["text"]))
-            out.append(self._text_event("response.content_part.done", part=part))
-        else:
-            out.append(
-                self._event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=self._index,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )  # fmt: skip
-            )
-        self._open = None
-        item["status"] = "incomplete" if incomplete else "completed"
-        out.append(self._event("response.output_item.done", output_index=self.items.index(item), item=item))
-        return out
-
-    # ---- the response object
-    def response(self) -> dict[str, Any]:
-        body = self.body
-        fmt = body.text.format if body.text and body.text.format else TextFormat(type="text")
-        return ResponseObject(
-            id=self.id,
-            created_at=self.created_at,
-            status=self.status,  # type: ignore[arg-type]
-            incomplete_details=IncompleteDetails(reason="max_output_tokens")
-            if self.status == "incomplete"
-            else None,
-            instructions=body.instructions,
-            max_output_tokens=body.max_output_tokens,
-            model=self.model,
-            output=[
-                OutputMessage(**i) if i["type"] == "message" else OutputFunctionCall(**i) for i in self.items
-            ]
-            if self.status != "in_progress"
-            else [],
-            parallel_tool_calls=body.parallel_tool_calls is not False,
-            previous_response_id=body.previous_response_id,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            tool_choice=body.tool_choice or "auto",
-            tools=body.tools or [],
-            text={"format": fmt.model_dump(mode="json", by_alias=True, exclude_none=True)},
-            truncation=body.truncation or "disabled",
-            usage=self.usage,
-            metadata=body.metadata or {},
-            store=body.store,
-            user=body.user,
-            speculative=self.speculative,
-        ).model_dump(mode="json", by_alias=True)
-
-    def conversation(self, before: list[ChatMessage]) -> list[ChatMessage]:
-        """The conversation with this response's output as its last assistant turn (for the store)."""
-        text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
-        calls = [
-            ToolCallParam(
-                id=i["call_id"], function=FunctionCallParam(name=i["name"], arguments=i["arguments"])
-            )
-            for i in self.items
-            if i["type"] == "function_call"
-        ]
-        turn = ChatMessage(
-            role="assistant", content=text if text or not calls else None, tool_calls=calls or None
-        )
-        return [*before, turn]

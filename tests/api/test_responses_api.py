@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from service.api.responses_api import ResponseStore, StoredResponse
+from service.api.response_store import ResponseStore, StoredResponse
 from service.api.schemas import ChatMessage
 from tests.api.conftest import API_KEYS, Server, assert_openai_error
 
@@ -213,17 +213,33 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI, 
 def test_the_store_is_bounded_least_recently_used_out() -> None:
     store = ResponseStore(2)
     turn = [ChatMessage(role="user", content="x")]
+    done = {"status": "completed"}
     for name in ("a", "b"):
-        store.put(name, StoredResponse(turn))
+        store.put(name, StoredResponse(done, turn))
     store.conversation("a")  # a is now the most recently used
-    store.put("c", StoredResponse(turn))
+    store.put("c", StoredResponse(done, turn))
     assert len(store) == 2
     assert store.conversation("a") == turn and store.conversation("c") == turn
     with pytest.raises(Exception, match="no stored response"):
         store.conversation("b")
     empty = ResponseStore(0)
-    empty.put("a", StoredResponse(turn))
+    empty.put("a", StoredResponse(done, turn))
     assert len(empty) == 0
+
+
+def test_the_store_never_evicts_a_background_response_that_runs() -> None:
+    """Evicting one would lose a generation its client polls for; only finished responses go."""
+    store = ResponseStore(2)
+    store.put("running", StoredResponse({"status": "in_progress"}, background=True))
+    store.put("queued", StoredResponse({"status": "queued"}, background=True))
+    store.put("done", StoredResponse({"status": "completed"}, []))
+    assert len(store) == 2
+    assert store.get("running").status == "in_progress" and store.get("queued").status == "queued"
+    with pytest.raises(Exception, match="no stored response"):
+        store.get("done")
+    with pytest.raises(Exception, match="is in_progress") as raised:  # nothing to continue from yet
+        store.conversation("running")
+    assert raised.value.code == "previous_response_not_completed"
 
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -243,6 +259,25 @@ BAD = [
     ("json-schema-that-does-not-compile", {"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, "text.format.schema", "invalid_grammar"),
     ("unknown-previous-response", {"model": MODEL, "input": "x", "previous_response_id": "resp_nope"}, "previous_response_id", "previous_response_not_found"),
     ("unknown-model", {"model": "gpt-5", "input": "x"}, "model", "model_not_found"),
+    # what OpenAI refuses too (issue 35)
+    ("empty-input", {"model": MODEL, "input": ""}, "input", "invalid_value"),
+    ("empty-previous-response-id", {"model": MODEL, "input": "x", "previous_response_id": ""}, "previous_response_id", "invalid_value"),
+    ("json-schema-without-schema", {"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema", "inconsistent_parameters"),
+    ("schema-name-with-a-space", {"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "name": "my schema", "schema": {"type": "object"}}}}, "text.format.name", "invalid_value"),
+    ("schema-name-of-65-characters", {"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema", "name": "n" * 65, "schema": {"type": "object"}}}}, "text.format.name", "invalid_value"),
+    ("background-without-store", {"model": MODEL, "input": "x", "background": True, "store": False}, "store", "inconsistent_parameters"),
+    ("truncation-unknown", {"model": MODEL, "input": "x", "truncation": "middle"}, "truncation", "invalid_value"),
+    ("include-unknown", {"model": MODEL, "input": "x", "include": ["usage.details"]}, "include.0", "invalid_value"),
+    ("reasoning-effort-unknown", {"model": MODEL, "input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort", "invalid_value"),
+    # what OpenAI honours and this server cannot: refused, never ignored
+    ("reasoning-effort", {"model": MODEL, "input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort", "unsupported_parameter"),
+    ("reasoning-summary", {"model": MODEL, "input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary", "unsupported_parameter"),
+    ("include-logprobs", {"model": MODEL, "input": "x", "include": ["message.output_text.logprobs"]}, "include", "unsupported_parameter"),
+    ("top-logprobs", {"model": MODEL, "input": "x", "top_logprobs": 3}, "top_logprobs", "unsupported_parameter"),
+    ("conversation", {"model": MODEL, "input": "x", "conversation": "conv_1"}, "conversation", "unsupported_parameter"),
+    ("stored-prompt", {"model": MODEL, "input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "unsupported_parameter"),
+    ("context-management", {"model": MODEL, "input": "x", "context_management": [{"type": "compaction"}]}, "context_management", "unsupported_parameter"),
+    ("background-with-stream", {"model": MODEL, "input": "x", "background": True, "stream": True}, "background", "unsupported_parameter"),
 ]  # fmt: skip
 
 
@@ -251,6 +286,56 @@ def test_bad_input_is_a_400_naming_the_field(api_server: Server, body: dict, par
     with api_server.client() as http:
         status = 404 if code == "model_not_found" else 400
         assert_openai_error(http.post("/v1/responses", json=body), status, param=param, code=code)
+
+
+def test_what_is_harmless_is_accepted(client: openai.OpenAI, model: str) -> None:
+    """Values this server honours as OpenAI would (no reasoning, nothing to truncate, nothing to include
+    from items it never makes) are served, and the response says what it did. Lossless speculation: csd's
+    memory learns between requests, so its greedy text may change from one to the next."""
+    asked = {"model": model, "input": "Name a fruit.", "max_output_tokens": 6}
+    lossless = {"speculative": {"method": "sd"}}
+    plain = client.responses.create(**asked, extra_body=lossless)
+    for extra in (
+        {"reasoning": {"effort": "none"}},
+        {"reasoning": {"effort": None, "summary": None}},
+        {"include": ["reasoning.encrypted_content", "file_search_call.results"]},
+        {"truncation": "disabled"},
+        {"truncation": "auto"},
+        {"top_logprobs": 0},
+        {"service_tier": "auto", "prompt_cache_key": "k", "safety_identifier": "u1", "max_tool_calls": 2},
+    ):
+        response = client.responses.create(**asked, **extra, extra_body=lossless)
+        assert response.output_text == plain.output_text, extra
+        if "truncation" in extra:
+            assert response.truncation == extra["truncation"]
+        if "reasoning" in extra:
+            assert response.reasoning.effort == extra["reasoning"]["effort"]
+
+
+def test_truncation_auto_over_the_context_says_nothing_is_truncated(api_server: Server) -> None:
+    body = {"model": MODEL, "input": "word " * 9000, "truncation": "auto"}
+    with api_server.client() as http:
+        error = assert_openai_error(
+            http.post("/v1/responses", json=body), 400, code="context_length_exceeded"
+        )
+    assert "truncation 'auto' drops nothing" in error["message"]
+
+
+def test_function_call_arguments_that_are_no_json_go_back_as_they_were(
+    client: openai.OpenAI, model: str
+) -> None:
+    """As in chat (tests/api/test_tools.py): a model may write invalid arguments, or be cut by the token
+    budget, and an agent loop sends its call back; the conversation goes on instead of ending in a 400."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Par'}
+    answer = {"type": "function_call_output", "call_id": "call_1", "output": "error: bad arguments"}
+    response = client.responses.create(
+        model=model,
+        input=[{"role": "user", "content": QUESTION}, call, answer],
+        tools=[WEATHER],
+        max_output_tokens=8,
+    )
+    plain = client.responses.create(model=model, input=QUESTION, tools=[WEATHER], max_output_tokens=8)
+    assert response.usage.input_tokens > plain.usage.input_tokens  # the broken call reached the prompt
 
 
 def test_needs_the_api_key(api_server: Server) -> None:
