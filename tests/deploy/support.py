@@ -21,22 +21,60 @@ K8S = DEPLOY / "k8s"
 DASHBOARD = DEPLOY / "grafana" / "csd-serve.json"
 
 
-def _exported() -> tuple[set[str], set[str]]:
-    """(every series name, the gauges) the service's registry exports, read from a ServiceMetrics with its
-    OCM collector, so the dashboard and the autoscaler are checked against the code, not a copy of it."""
-    from prometheus_client import generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
+def exported_registry(recorder=None):
+    """A registry as the service builds one: a ServiceMetrics with a (method, drafter) pair touched, an HTTP
+    response counted, its OCM collector and, given a `TrafficRecorder`, its traffic collector. The draft
+    head's collector needs a loaded head: the live test (test_dashboard_live.py) reads it from a server."""
     from ocm_store.base import StoreStatus
     from service.api.metrics import OCMStoreCollector, ServiceMetrics
+    from service.traffic import TrafficCollector
 
     metrics = ServiceMetrics(3, model_name="m")
     metrics.touch("csd", "ngram", 3)
     metrics.requests.labels("m", "/v1/completions", "200")
     status = StoreStatus(backend="memory", healthy=True, patterns=0)
     metrics.registry.register(OCMStoreCollector(lambda: status, "m"))
-    families = list(text_string_to_metric_families(generate_latest(metrics.registry).decode()))
-    names = {sample.name for family in families for sample in family.samples}
+    if recorder is not None:
+        metrics.registry.register(TrafficCollector(lambda: recorder, "m"))
+    return metrics.registry
+
+
+def exposition_families(text: str) -> dict[str, set[str]]:
+    """Each metric family of a /metrics exposition, with the series names it exports (a counter's `_total`,
+    a histogram's `_bucket`, `_sum` and `_count`). prometheus-client's `_created` timestamps are left out:
+    no panel is meant to read them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        family.name: {s.name for s in family.samples if not s.name.endswith("_created")}
+        for family in text_string_to_metric_families(text)
+        if not family.name.endswith("_created")  # the parser reads them as gauges of their own
+    }
+
+
+# What the draft head's collector exports beside a loaded head only (building one needs the target model):
+# test_dashboard_live.py finds these on a real server's /metrics.
+HEAD_SERIES = {"csd_draft_head_info", "csd_draft_head_reloads_total"}
+
+
+def _exported() -> tuple[set[str], set[str]]:
+    """(every series name, the gauges) the service's registry exports, so the dashboard and the autoscaler
+    are checked against the code, not a copy of it."""
+    import tempfile
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from service.traffic import TrafficRecorder
+
+    with tempfile.TemporaryDirectory() as folder:
+        recorder = TrafficRecorder(Path(folder), max_bytes=1 << 20)  # records nothing: its counters only
+        try:
+            text = generate_latest(exported_registry(recorder)).decode()
+        finally:
+            recorder.close()
+    families = list(text_string_to_metric_families(text))
+    names = {sample.name for family in families for sample in family.samples} | HEAD_SERIES
     # the parser reads prometheus-client's `_created` timestamps as gauges of their own: not ones to scale on
     gauges = {f.name for f in families if f.type == "gauge" and not f.name.endswith("_created")}
     return names, gauges
@@ -255,6 +293,38 @@ def load_dashboard() -> dict:
     import json
 
     return json.loads(DASHBOARD.read_text())
+
+
+def load_dashboards() -> dict[str, dict]:
+    """Every dashboard Grafana is provisioned with (deploy/grafana/*.json), by file name."""
+    import json
+
+    return {path.name: json.loads(path.read_text()) for path in sorted(DASHBOARD.parent.glob("*.json"))}
+
+
+# Exported series that no dashboard shows, each with the reason; the coverage tests fail on any other.
+NOT_ON_A_DASHBOARD = {
+    "vllm:lora_requests_info": "a constant for the inference gateway's LoRA-affinity scorer: no adapters are "
+    "served (max_lora 0), and its value is a timestamp",
+    "vllm:num_preemptions": "always 0: a generation keeps its batch row until it ends; exported under vLLM's "
+    "name so that tools which read it find it",
+}
+SERIES_SUFFIXES = ("", "_total", "_bucket", "_sum", "_count")
+
+
+def families_on_no_dashboard(families: dict[str, set[str]]) -> list[str]:
+    """The families (name -> its series, as `exposition_families` gives them) that no query of any dashboard
+    reads, less NOT_ON_A_DASHBOARD. A family counts as shown when a query reads any of its series; one with no
+    series yet (a labelled metric nothing has set) by the names it will have."""
+    shown = set()
+    for dashboard in load_dashboards().values():
+        shown |= set().union(*(metric_names(expr) for _, expr in dashboard_queries(dashboard)))
+    return sorted(
+        name
+        for name, series in families.items()
+        if name not in NOT_ON_A_DASHBOARD
+        and not (series or {name + suffix for suffix in SERIES_SUFFIXES}) & shown
+    )
 
 
 def dashboard_panels(dashboard: dict) -> list[dict]:

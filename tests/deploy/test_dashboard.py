@@ -1,6 +1,7 @@
 """deploy/grafana/csd-serve.json, without a running service: valid JSON, a templated datasource, every metric
-it names is one the service exports, every panel the issue asks for is there, and every PromQL expression
-parses (promtool). The live check, a real Prometheus scraping the real service, is test_dashboard_live.py."""
+it names is one the service exports and every metric the service's registry exports is on a panel, every panel
+the issue asks for is there, counters are read as rates, and every PromQL expression parses (promtool). The
+live check, a real Prometheus scraping the real service, is test_dashboard_live.py."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ import yaml
 from tests.deploy.support import (
     GRAFANA_BUILTINS,
     KNOWN_SERIES,
+    NOT_ON_A_DASHBOARD,
     TEMPLATE_VARIABLE,
     dashboard_panels,
     dashboard_queries,
+    exported_registry,
+    exposition_families,
+    families_on_no_dashboard,
     instantiate,
     load_dashboard,
     metric_names,
@@ -59,6 +64,17 @@ REQUIRED = {
     "flush latency": {"csd_ocm_flush_seconds_sum", "csd_ocm_flush_seconds_count"},
     "buffered and dropped increments": {"csd_ocm_buffered_increments", "csd_ocm_dropped_increments_total"},
     "pattern count": {"csd_ocm_patterns"},
+    # issue 35: every exported metric on a panel
+    "tokens per target forward, distribution": {"csd_tokens_per_target_forward_bucket"},
+    "draft head in use": {"csd_draft_head_info"},
+    "draft head reloads": {"csd_draft_head_reloads_total"},
+    "OCM restores": {"csd_ocm_restores_total", "csd_ocm_restored_increments_total"},
+    "time per output token": {"vllm:request_time_per_output_token_seconds_bucket"},
+    "prefill and decode time": {
+        "vllm:request_prefill_time_seconds_bucket",
+        "vllm:request_decode_time_seconds_bucket",
+    },
+    "prefix cache hit rate": {"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"},
 }
 
 
@@ -112,6 +128,58 @@ def test_the_panels_the_issue_asks_for_are_there(topic):
         assert "position" in exprs
     if topic == "429 and 5xx":
         assert 'status_code="429"' in exprs and 'status_code=~"5.."' in exprs
+    if topic == "tokens per target forward, distribution":
+        assert panels[0]["type"] == "heatmap"
+    if topic == "draft head in use":
+        # an info metric: its value is always 1, the identity label is the fact; count replicas per head
+        assert "count by (identity)" in exprs
+    if topic in ("time per output token", "prefill and decode time"):
+        assert "histogram_quantile(0.5," in exprs
+
+
+def test_every_metric_the_service_exports_is_on_a_dashboard(tmp_path):
+    """The registry the service builds (its metrics, the OCM and traffic collectors) against every panel of
+    every dashboard under deploy/grafana: a new metric without a panel fails here. The live test checks the
+    same on a real server's /metrics, the draft head's metrics included."""
+    from prometheus_client import generate_latest
+
+    from service.traffic import TrafficRecorder
+
+    recorder = TrafficRecorder(tmp_path / "traffic", max_bytes=1 << 20)  # records nothing: its counters only
+    try:
+        families = exposition_families(generate_latest(exported_registry(recorder)).decode())
+    finally:
+        recorder.close()
+    assert {"csd_traffic_records", "csd_ocm_restores", "csd_tokens_per_target_forward"} <= set(families)
+    assert families_on_no_dashboard(families) == [], "exported, but on no dashboard panel"
+    # the exceptions are exported (a stale one would hide nothing) and the check can fail
+    assert set(NOT_ON_A_DASHBOARD) <= set(families)
+    assert families_on_no_dashboard({"csd_new_thing": {"csd_new_thing_total"}}) == ["csd_new_thing"]
+
+
+COUNTER_SUFFIXES = ("_total", "_bucket", "_sum", "_count")
+
+
+def _misread_series(expr: str) -> list[str]:
+    """Series an expression reads the wrong way: a counter's (or a histogram's) series means something only
+    through rate() or increase(); a gauge's value is the fact, and rate() of a gauge is wrong."""
+    problems = []
+    for match in re.finditer(r"\b((?:csd_|vllm:)[a-z0-9_:]+)\{", expr):
+        series, before = match.group(1), expr[: match.start()]
+        as_rate = re.search(r"\b(?:rate|increase)\(\s*$", before) is not None
+        if series.endswith(COUNTER_SUFFIXES) and not as_rate:
+            problems.append(f"the counter {series} read without rate() or increase()")
+        elif not series.endswith(COUNTER_SUFFIXES) and as_rate:
+            problems.append(f"the gauge {series} read through rate()")
+    return problems
+
+
+def test_counters_are_read_as_rates_and_gauges_as_values():
+    problems = [f"{title}: {problem}" for title, expr in QUERIES for problem in _misread_series(expr)]
+    assert not problems, "\n".join(problems)
+    # the check can fail, both ways
+    assert _misread_series('sum(csd_target_forwards_total{model_name="m"})')
+    assert _misread_series('sum(rate(vllm:num_requests_running{model_name="m"}[5m]))')
 
 
 def test_every_query_follows_the_model_and_instance_variables():

@@ -1,8 +1,9 @@
 """The real check of the dashboard: a real Prometheus (the Debian package, run from its binary with a temporary
 config and a free port) scrapes the real service (`python -m service.cli serve` on the embedded model, the OCM
 in a throwaway password-protected redis-server) after it served requests of several methods, a burst that hit
-the queue bound, and streaming; then every PromQL expression of the dashboard must return data, and so must the
-template variables' queries and the prometheus-adapter rule the autoscaler depends on. So must the tools
+the queue bound, streaming, draft head reloads (one refused) and traffic recording; then every PromQL expression
+of the dashboard must return data, every metric the service exports must be on a panel, and the template
+variables' queries and the prometheus-adapter rule the autoscaler depends on must return data too. So must the tools
 written for vLLM, unchanged: the main panels of vLLM's own Grafana dashboard and the KEDA / prometheus-adapter
 rules on vLLM's queue metric (tests/deploy/fixtures/)."""
 
@@ -29,6 +30,8 @@ from tests.deploy.support import (
     dashboard_panels,
     dashboard_queries,
     dockerfile_instructions,
+    exposition_families,
+    families_on_no_dashboard,
     free_port,
     instantiate,
     load_dashboard,
@@ -182,6 +185,7 @@ def live(tmp_path_factory):
             CSD_MAX_QUEUE="1",  # with CSD_MAX_BATCH_SIZE 2, the burst of 6 must meet 429s
             CSD_MAX_BATCH_SIZE="2",
             CSD_OCM_FLUSH_INTERVAL_S="0.05",
+            CSD_RECORD_TRAFFIC=str(tmp / "traffic"),  # the traffic-recording panels need its metrics
         )
         service_log = tmp / "service.log"
         with open(service_log, "w") as log:
@@ -235,6 +239,10 @@ def live(tmp_path_factory):
             # rate() sees no increase.
             burst = _traffic(client, model)
             time.sleep(3 * SCRAPE_INTERVAL_S)
+            # the head reload panel: a reload of the running head's own folder, and one refused
+            assert client.post("/v1/admin/reload_drafter", json={}).status_code == 200
+            refused = client.post("/v1/admin/reload_drafter", json={"folder": str(tmp / "no-head")})
+            assert refused.status_code == 400, refused.text
             burst += _traffic(client, model)
             time.sleep(3 * SCRAPE_INTERVAL_S + 1)
             metrics_text = client.get("/metrics").text
@@ -314,6 +322,53 @@ def test_every_metric_the_dashboard_names_is_exported_by_the_service(live):
     dashboard = load_dashboard()
     named = set().union(*(metric_names(expr) for _, expr in dashboard_queries(dashboard)))
     assert named <= exported, f"not in /metrics: {sorted(named - exported)}"
+
+
+def test_every_metric_the_service_exports_is_on_a_dashboard(live):
+    """The real server's /metrics (the draft head's and the traffic recorder's metrics included) against
+    every panel of every dashboard under deploy/grafana; the static twin in test_dashboard.py reads the
+    registry without a server."""
+    families = exposition_families(live["metrics"])
+    # the server ran with what the newer panels show, so their families are in this exposition
+    assert {
+        "csd_draft_head_info",
+        "csd_draft_head_reloads",
+        "csd_traffic_records",
+        "csd_ocm_restores",
+    } <= set(families)
+    assert families_on_no_dashboard(families) == [], "exported, but on no dashboard panel"
+
+
+def _panel_values(live, title: str, at: float) -> dict[str, float]:
+    """Each query's value of a panel at one instant, by its legend with the labels filled in."""
+    dashboard = load_dashboard()
+    (panel,) = [p for p in dashboard_panels(dashboard) if p["title"] == title]
+    values = {}
+    for target in panel["targets"]:
+        result = live["prom"].query(instantiate(target["expr"], dashboard, rate_interval(live)), at=at)
+        for series in result:
+            legend = target["legendFormat"]
+            for label, value in series["metric"].items():
+                legend = legend.replace("{{" + label + "}}", value)
+            values[legend] = float(series["value"][1])
+    return values
+
+
+def test_the_draft_head_panels_show_the_head_and_its_reloads(live):
+    now = time.time()
+    (identity,) = [s["metric"]["identity"] for s in live["prom"].query("csd_draft_head_info")]
+    assert _panel_values(live, "Draft head in use", now) == {identity: 1.0}  # one replica, one head
+    reloads = _panel_values(live, "Draft head reloads", now)
+    assert reloads["ok"] >= 1 and reloads["failed"] >= 1, reloads  # the fixture's reload and its refused one
+
+
+def test_the_traffic_panels_show_the_recording(live):
+    now = time.time()
+    assert set(_panel_values(live, "Traffic recording", now).values()) == {1.0}
+    recorded = _panel_values(live, "Generations recorded and dropped", now)
+    assert recorded["recorded"] > 0, recorded
+    assert recorded["dropped: queue_full"] == 0, recorded
+    assert sum(_panel_values(live, "Recorded bytes written", now).values()) > 0
 
 
 def test_the_autoscaler_metric_reaches_the_adapter_rule(live):
