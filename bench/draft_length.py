@@ -16,7 +16,10 @@ import os
 import sys
 import time
 
-DRAFTERS = ("ngram", "head", "combined")
+from service.decoding.drafter_registry import DRAFTERS as REGISTRY  # no torch: the CLI checks stay fast
+
+# The registry's drafters this bench can build: it loads the embedded model's head, never a draft model.
+DRAFTERS = tuple(entry.name for entry in REGISTRY if entry.needs != "draft_model")
 
 
 def _lengths(text: str) -> list[int]:
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=_positive, default=8, help="prompts per workload")
     parser.add_argument("--max-tokens", type=_positive, default=128)
     parser.add_argument(
-        "--drafters", type=_drafters, default="combined,ngram", help="ngram, head and/or combined"
+        "--drafters", type=_drafters, default="combined,ngram", help=f"any of {', '.join(DRAFTERS)}"
     )
     parser.add_argument("--threads", type=_positive, default=1)
     args = parser.parse_args(argv)
@@ -69,17 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     from service.decoding import Engine, Method, SamplingParams, SpeculativeConfig, load_model, run_alone
     from service.decoding.draft_head import EMBEDDED_HEAD_DIR
     from service.decoding.draft_policy import DraftPolicy, measure_forward_costs
-    from service.decoding.drafters.combined import CombinedDrafter
+    from service.decoding.drafter_registry import DrafterInputs, build_drafters
     from service.decoding.drafters.head import HeadDrafter
-    from service.decoding.drafters.ngram import NgramDrafter
 
     torch.set_num_threads(args.threads)
     ks = args.k
     target = load_model("embedded")
-    defaults = BenchConfig()  # the service's n-gram settings, as the main bench uses them
-    ngram = NgramDrafter(defaults.ngram_min, defaults.ngram_max)
+    defaults = BenchConfig()
     head = HeadDrafter(target, EMBEDDED_HEAD_DIR)
-    drafters = {"ngram": ngram, "head": head, "combined": CombinedDrafter(ngram, head)}
+    # built as the server builds them, with the service's n-gram settings as the main bench uses them
+    drafters = build_drafters(DrafterInputs(target, defaults.ngram_min, defaults.ngram_max, head=head))
     costs = measure_forward_costs(target.model, max(ks) + 1)
     one = costs(1, 1)
     print(f"Machine: {one_line(describe())}; target {target.model.dtype}")

@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass
 from decimal import Decimal
 from pathlib import Path
 
+from service.decoding.drafter_registry import DRAFTERS as REGISTRY  # no torch: the CLI checks stay fast
+
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data" / "structured.jsonl"
 RESULTS = REPO / "bench" / "results"
@@ -50,7 +52,8 @@ FIGURES = REPO / "bench" / "figures"
 # sd-no-jump: sd without jump-forward (the grammar's forced tokens are not drafted): what jump-forward buys
 METHODS = ("vanilla", "sd", "csd", "sd-no-jump")
 GOAL_METHODS = ("vanilla", "sd", "csd")  # the "every method"
-DRAFTERS = ("ngram", "head", "combined")
+# The registry's drafters this bench can build: it loads a head for the model, never a draft model.
+DRAFTERS = tuple(entry.name for entry in REGISTRY if entry.needs != "draft_model")
 GOAL_ITEMS = 30  # the set: at least 30 schemas / prompts
 
 
@@ -398,25 +401,19 @@ def build_engines(target, args) -> dict:
     from bench.context import head_folder
     from bench.workloads import load_calibration
     from ocm_store.memory import InMemoryStore
-    from service.decoding import (
-        CombinedDrafter,
-        DecodingError,
-        DraftPolicy,
-        Engine,
-        HeadDrafter,
-        NgramDrafter,
-    )
+    from service.decoding import DecodingError, DraftPolicy, Engine, HeadDrafter
     from service.decoding.draft_policy import measure_forward_costs
+    from service.decoding.drafter_registry import DrafterInputs, build_drafters, drafter_entry
 
     config = BenchConfig(model=args.model)
-    ngram = NgramDrafter(config.ngram_min, config.ngram_max)
-    drafters = {"ngram": ngram}
-    if args.drafter != "ngram":
-        head, why = head_folder(config)
-        if head is None:
+    head = None
+    if drafter_entry(args.drafter).needs == "draft_head":  # loaded only for a drafter that drafts with it
+        folder, why = head_folder(config)
+        if folder is None:
             raise DecodingError(f"drafter {args.drafter!r} needs a draft head: {why}")
-        drafters["head"] = HeadDrafter(target, head)
-        drafters["combined"] = CombinedDrafter(ngram, drafters["head"])
+        head = HeadDrafter(target, folder)
+    # built as the server builds them
+    drafters = build_drafters(DrafterInputs(target, config.ngram_min, config.ngram_max, head=head))
     chosen = {args.drafter: drafters[args.drafter]}
 
     costs = (

@@ -29,11 +29,13 @@ from service.api.errors import APIError
 from service.api.worker import EngineWorker
 from service.decoding import DecodingError, HeadDrafter
 from service.decoding.draft_head import EMBEDDED_HEAD_DIR
+from service.decoding.drafter_registry import DRAFTERS
 from service.runtime import Runtime, ocm_namespaces
 
 log = logging.getLogger(__name__)
 
-HEAD_DRAFTERS = ("head", "combined")  # drafters that draft with the head
+# Drafters that draft with the head (those the registry builds from it): their OCM namespaces follow a reload.
+HEAD_DRAFTERS = tuple(entry.name for entry in DRAFTERS if entry.needs == "draft_head")
 
 
 @dataclass

@@ -67,6 +67,7 @@ OPERATIONS = [
     ("POST", "/v1/responses"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model}"),
+    ("GET", "/v1/drafters"),
     ("GET", "/v1/ocm/top"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.decoding.drafter_registry import DRAFTERS
 from tests.api.conftest import REPO_ROOT, Server, start_server, wait_until
 
 API_KEY = "sk-playground-test-key"
@@ -159,6 +160,26 @@ def test_page_loads_with_its_own_files_only(page: Page, server: Server) -> None:
     assert "requires a key" in (page.page.text_content("#key-hint") or "")
     # The page is public; the API behind it is not.
     assert httpx.get(f"{server.url}/v1/ocm/top", timeout=30).status_code == 401
+
+
+def test_drafter_choices_are_the_registry_s(page: Page) -> None:
+    """The form lists the registry's drafters (from GET /v1/drafters, once a key is entered), in its order,
+    the ones this server lacks disabled with their reason; nothing in the page's files lists them."""
+    # before the key, only the server's default (the list needs the key on this server)
+    assert page.page.eval_on_selector_all("#drafter option", "os => os.map(o => o.value)") == ["combined"]
+    page.set_key(API_KEY)
+    page.page.wait_for_function(f"document.querySelectorAll('#drafter option').length === {len(DRAFTERS)}")
+    options = page.page.eval_on_selector_all(
+        "#drafter option", "os => os.map(o => [o.value, o.textContent, o.disabled, o.title])"
+    )
+    assert [o[0] for o in options] == [e.name for e in DRAFTERS]
+    for (value, text, disabled, title), entry in zip(options, DRAFTERS, strict=True):
+        assert text == f"{value} ({entry.description})"
+        # this server has the embedded head and no draft model
+        assert disabled == (entry.needs == "draft_model"), value
+        assert title == (entry.hint if disabled else ""), value
+    assert page.page.input_value("#drafter") == "combined"  # still the server's default
+    assert page.errors == []
 
 
 def test_key_is_kept_for_the_session_only(page: Page) -> None:

@@ -29,13 +29,11 @@ def _index_template() -> str:
 
 def page_config(settings: Settings) -> dict:
     """The server's defaults, so the form starts where the server does (and knows the model's name
-    without an authenticated call)."""
+    without an authenticated call). The drafters it offers come from GET /v1/drafters (the registry)."""
     return {
         "model": settings.served_model_name or settings.model,
         "method": settings.method.value,
         "drafter": settings.drafter,
-        "draft_model": settings.draft_model is not None,
-        "draft_head": settings.has_head,
         "num_speculative_tokens": settings.num_speculative_tokens,
         "tau": settings.tau,
         "lambda": settings.lambda_,

@@ -268,6 +268,37 @@ function renderOcm(top) {
   }
 }
 
+// --- the drafters: the server's registry (GET /v1/drafters), the one list of them -------------------
+
+function renderDrafters(list) {
+  const select = $("drafter");
+  const chosen = select.value; // what the user picked (or the server's default) survives a reload
+  select.replaceChildren();
+  for (const drafter of list.data || []) {
+    const option = document.createElement("option");
+    option.value = drafter.id;
+    option.textContent = `${drafter.id} (${drafter.description})`;
+    // Listed but not selectable where the server lacks what it needs, with the reason on hover.
+    option.disabled = !drafter.available;
+    if (drafter.hint) option.title = drafter.hint;
+    select.appendChild(option);
+  }
+  const usable = [...select.options].filter((o) => !o.disabled).map((o) => o.value);
+  const fallback = (list.data || []).find((d) => d.default);
+  select.value = usable.includes(chosen) ? chosen : fallback ? fallback.id : usable[0] || "";
+}
+
+async function loadDrafters() {
+  try {
+    const response = await fetch("/v1/drafters", { headers: headers() });
+    if (!response.ok) throw await errorFromResponse(response);
+    renderDrafters(await response.json());
+  } catch (error) {
+    // The form keeps the server's default drafter; the reason shows under the list.
+    $("drafter").title = `Could not load the drafters: ${error.message}`;
+  }
+}
+
 // --- Run and Stop -----------------------------------------------------------------------------------
 
 function setRunning(running) {
@@ -326,16 +357,17 @@ function init() {
   $("api-key").addEventListener("change", () => {
     if (apiKey()) sessionStorage.setItem(KEY_STORAGE, apiKey());
     else sessionStorage.removeItem(KEY_STORAGE);
+    loadDrafters();
     refreshOcm();
   });
   if (config.auth_required) $("key-hint").textContent = "This server requires a key. " + $("key-hint").textContent;
   $("prompt").value = DEFAULT_PROMPT;
   $("method").value = config.method;
-  $("drafter").value = config.drafter;
-  $("drafter").querySelector("option[value=model]").disabled = !config.draft_model;
-  for (const name of ["head", "combined"]) {
-    $("drafter").querySelector(`option[value=${name}]`).disabled = !config.draft_head;
-  }
+  // Until the server's list arrives (it needs the key where the server requires one), the form offers the
+  // server's default drafter alone, so a run sends what the server would pick anyway.
+  const initial = document.createElement("option");
+  initial.value = initial.textContent = config.drafter;
+  $("drafter").replaceChildren(initial);
   $("k").value = config.num_speculative_tokens;
   $("tau").value = config.tau;
   $("lambda").value = config.lambda;
@@ -344,8 +376,11 @@ function init() {
   $("max-tokens").max = config.max_tokens_cap;
   $("controls").addEventListener("submit", run);
   $("stop").addEventListener("click", stop);
-  // Without a key on a server that needs one, the first call would only show a 401: wait for the key.
-  if (!config.auth_required || apiKey()) refreshOcm();
+  // Without a key on a server that needs one, the first calls would only show a 401: wait for the key.
+  if (!config.auth_required || apiKey()) {
+    loadDrafters();
+    refreshOcm();
+  }
 }
 
 init();
