@@ -69,7 +69,7 @@ ATTENTION_SCOPE = "bench.forward::attention"
 FORWARD_SCOPE = "bench.forward::forward"  # the profiled forward, without its rollback
 HEAD_SCOPE = "bench.forward::lm_head"
 SCOPES = (ATTENTION_SCOPE, FORWARD_SCOPE, HEAD_SCOPE)
-# oneDNN's blocked layout in and out of a PackedLinear is part of its matmul
+# a PackedLinear (mkldnn::_linear_pointwise) and the layout conversions of older packings are matmul
 MATMUL_OPS = {
     *("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm"),
     *("aten::_to_dense", "aten::to_dense", "aten::to_mkldnn"),
