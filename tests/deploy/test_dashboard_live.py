@@ -41,8 +41,8 @@ from tests.deploy.support import (
 )
 
 # One service start, a few short generations and a Prometheus: about a minute on an idle 2-core machine; the
-# limit leaves room for a machine busy with other work.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+# limit leaves room for a machine busy with other work. Marked slow in tests/slow_tests.py.
+pytestmark = pytest.mark.timeout(1800)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
