@@ -165,8 +165,18 @@ def test_page_loads_with_its_own_files_only(page: Page, server: Server) -> None:
 def test_drafter_choices_are_the_registry_s(page: Page) -> None:
     """The form lists the registry's drafters (from GET /v1/drafters, once a key is entered), in its order,
     the ones this server lacks disabled with their reason; nothing in the page's files lists them."""
-    # before the key, only the server's default (the list needs the key on this server)
+    # before the key, only the server's default (the list needs the key on this server); a wrong key keeps it
+    # so, with the reason on hover
     assert page.page.eval_on_selector_all("#drafter option", "os => os.map(o => o.value)") == ["combined"]
+    page.set_key("sk-wrong")
+    page.page.wait_for_function("document.querySelector('#drafter').title !== ''")
+    assert page.page.get_attribute("#drafter", "title") == (
+        "Could not load the drafters: HTTP 401: the API key is not valid"
+    )
+    assert page.page.eval_on_selector_all("#drafter option", "os => os.map(o => o.value)") == ["combined"]
+    # the OCM panel asked with the same key: once it has its 401 too, the browser has logged both
+    page.page.wait_for_function("document.querySelector('#ocm-updated').textContent.startsWith('Could not')")
+    page.errors.clear()  # the 401s it was meant to get
     page.set_key(API_KEY)
     page.page.wait_for_function(f"document.querySelectorAll('#drafter option').length === {len(DRAFTERS)}")
     options = page.page.eval_on_selector_all(
@@ -179,6 +189,7 @@ def test_drafter_choices_are_the_registry_s(page: Page) -> None:
         assert disabled == (entry.needs == "draft_model"), value
         assert title == (entry.hint if disabled else ""), value
     assert page.page.input_value("#drafter") == "combined"  # still the server's default
+    assert page.page.get_attribute("#drafter", "title") == ""
     assert page.errors == []
 
 

@@ -293,8 +293,9 @@ async function loadDrafters() {
     const response = await fetch("/v1/drafters", { headers: headers() });
     if (!response.ok) throw await errorFromResponse(response);
     renderDrafters(await response.json());
+    $("drafter").title = "";
   } catch (error) {
-    // The form keeps the server's default drafter; the reason shows under the list.
+    // The form keeps what it offers (at first the server's default alone); the reason shows on hover.
     $("drafter").title = `Could not load the drafters: ${error.message}`;
   }
 }
