@@ -20,6 +20,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     CSD_CACHE_DIR=/var/cache/csd-serve \
     HF_HOME=/var/cache/csd-serve/huggingface
 
+# A C++ compiler and ninja: the 8-bit LM head kernel (service/decoding/q8_head.py) is compiled on the first start,
+# for the node's own CPU, into the cache volume (without them the head stays fp32, slower).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ ninja-build \
+    && rm -rf /var/lib/apt/lists/*
+
 # A fixed numeric uid/gid, so Kubernetes' runAsNonRoot can check it and volumes can be chowned to it.
 RUN groupadd --system --gid 10001 csd \
     && useradd --system --uid 10001 --gid 10001 --home-dir /home/csd --create-home --shell /usr/sbin/nologin csd

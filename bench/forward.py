@@ -74,7 +74,8 @@ MATMUL_OPS = {
     *("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm"),
     *("aten::_to_dense", "aten::to_dense", "aten::to_mkldnn"),
 }
-MATMUL_MARKERS = ("mkldnn", "_weight_int", "onednn")
+# the 8-bit LM head's C++ kernel is no aten operator: its profiler span (q8_head.PROFILE_SCOPE) stands for it
+MATMUL_MARKERS = ("mkldnn", "_weight_int", "onednn", "q8_linear")
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,11 @@ def load_format(spec: str, fmt: Format):
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of weights one forward reads once: {"total", "head"}. Each module's own parameters and buffers
     (packed copies included, each tensor once); embeddings are left out (a forward reads only the rows it
-    looks up), and so is an fp32 LM head's tied bf16 `weight`, which its packed copy replaces."""
+    looks up), and so is an fp32 LM head's tied bf16 `weight`, which its packed copy replaces. An 8-bit head
+    (`Q8Head`) counts its blocks: what a forward of up to Q8_MAX_ROWS rows reads (wider ones read its packed
+    fp32 copy instead)."""
     from service.decoding.batch_invariant import FP32LogitsHead
+    from service.decoding.q8_head import Q8Head
 
     head = model.get_output_embeddings()
     seen: set[int] = set()
@@ -152,6 +156,9 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if isinstance(module, FP32LogitsHead):
             tensors = list(module.packed.buffers())  # counted here, as the head's: its submodule adds 0
+        if isinstance(module, Q8Head):
+            tensors = [module.q, module.scales]
+            seen.update(id(t) for t in [module.weight, *module.wide.buffers()])
         size = 0
         for tensor in tensors:
             if id(tensor) not in seen:

@@ -37,11 +37,12 @@ host) +5.8 ms at width 1 (85.0 vs 79.1 ms, 1.07x), +8.3 ms at width 4 (1.11x), +
 **4-bit weights in an fp32 body** (what an AVX2-only CPU serves for a 4-bit GGUF, `int4_weights`) need the
 same: each int4 layer rounds its input to bf16, so fp32's last-bit differences between batch shapes become
 bf16-ulp differences there and grow to ~0.3 in the logits. Such a model gets row-aligned attention too (its
-int4 matmuls are row-invariant, its norms elementwise). Its LM head keeps the packed fp32 kernel: no bf16
+int4 matmuls are row-invariant, its norms elementwise). Its LM head is not made row-invariant: no bf16
 rounding follows it, so its logits differ across batch shapes by fp32 rounding only, as a dense fp32 model's
-do, and running a single row as two (what makes the head row-invariant) would double its cost on an AVX2 CPU
-(oneDNN's one-row kernel read the 113 MB weight in 7.6 ms, its two-row one in 14.7, under the profiler on
-an AMD EPYC with AVX2 only, 1 thread). fp32 attention needs one more step: MKL's fp32 matmul (same CPU) sums a
+do, and running a single row as two would have doubled its cost on an AVX2 CPU (oneDNN's one-row kernel read
+the 113 MB weight in 7.6 ms, its two-row one in 14.7). A 4-bit GGUF's head, in either body, reads the file's
+8-bit blocks (`q8_head.Q8Head`: fp32 logits, a row's bits the same for 1 to 4 rows, a packed fp32 copy past
+that), with the same tolerance: fp32 rounding across batch shapes, on bit-identical hidden states. fp32 attention needs one more step: MKL's fp32 matmul (same CPU) sums a
 row of a 4-row or larger matmul in another order than one of 1 to 3 rows, yet a row's bits do not depend on its
 place in a matmul of fixed shape; so in fp32 each attention matmul runs exactly FP32_QUERY_BLOCK queries, a
 short block padded with zero queries.
@@ -68,6 +69,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from service.decoding.cpu_kernels import PackedLinear, replace_linear_layers
 from service.decoding.int4_weights import Int4Linear
+from service.decoding.q8_head import Q8Head
 from service.decoding.types import DecodingError
 
 log = logging.getLogger(__name__)
@@ -286,7 +288,11 @@ def make_batch_invariant(model: torch.nn.Module) -> bool:
         return False
     head = model.get_output_embeddings()
     if bf16 and type(head) is torch.nn.Linear and torch.backends.mkldnn.is_available():
-        model.set_output_embeddings(FP32LogitsHead(head))
+        head = FP32LogitsHead(head)
+        model.set_output_embeddings(head)
+    # a head that gives fp32 logits (the packed fp32 copy, or the file's 8-bit blocks: `q8_head`) reads the
+    # final norm's output unrounded
+    if bf16 and isinstance(head, (FP32LogitsHead, Q8Head)):
         decoder = model.get_decoder()
         if isinstance(getattr(decoder, "norm", None), torch.nn.Module):
             decoder.norm = FP32Norm(decoder.norm)

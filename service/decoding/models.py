@@ -29,6 +29,7 @@ from service.decoding.batch_invariant import make_batch_invariant
 from service.decoding.cpu_kernels import default_cpu_dtype, pack_linear_layers
 from service.decoding.int4_weights import gguf_is_4bit, int4_supported, quantize_linear_layers
 from service.decoding.paths import check_gguf_header, default_cache_dir, resolve_model_spec
+from service.decoding.q8_head import head_blocks, use_q8_head
 from service.decoding.types import DecodingError
 
 if TYPE_CHECKING:
@@ -355,9 +356,14 @@ def load_model(
     # track gradients it ran through autograd's fallback, 27 ms for a one-row matmul of 0.1 ms (AVX2 dispatch)
     model.requires_grad_(False)
     if weights == "int4":
+        # the LM head from the file's 8-bit blocks where it holds them (a GGUF's Q8_0 token embeddings), read
+        # from the fp32 weights before the body's cast
+        blocks = head_blocks(model)
         quantize_linear_layers(model)
         if body_dtype != torch.float32:  # (a cast to fp32 would widen the kernel's bf16 scales too)
             model.to(body_dtype)
+        if blocks is not None:
+            use_q8_head(model, blocks)
     if pack_cpu_weights:
         pack_linear_layers(model)  # fp32 only: every linear layer of a dense model, an int4 model's LM head
     # strict speculative decoding's equality with plain decoding depends on it in bf16: every model that

@@ -25,6 +25,7 @@ from service.decoding.batch_invariant import (
 from service.decoding.cpu_kernels import PackedLinear, has_native_bf16
 from service.decoding.int4_weights import int4_supported
 from service.decoding.models import load_model
+from service.decoding.q8_head import Q8Head, q8_kernel
 from service.decoding.text import encode_chat
 from tests.decoding.test_batch import padded_and_solo_logits
 
@@ -46,7 +47,14 @@ def int4_fp32():
     return load_model("embedded", dtype="float32", weights="int4")
 
 
-@pytest.fixture(params=["bf16", "int4_fp32"])
+@pytest.fixture(scope="module")
+def int4_bf16():
+    if not has_native_bf16() or not int4_supported():
+        pytest.skip("this CPU has no native bf16 matmuls, or this torch build no CPU int4 kernels")
+    return load_model("embedded", dtype="bfloat16", weights="int4")
+
+
+@pytest.fixture(params=["bf16", "int4_fp32", "int4_bf16"])
 def invariant(request):
     """Each batch-invariant model in turn."""
     return request.getfixturevalue(request.param)
@@ -67,9 +75,10 @@ def head_inputs(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
 
 def assert_same_bits(loaded, got: torch.Tensor, want: torch.Tensor, got_hidden, want_hidden) -> None:
     """Logits (and the head's inputs) that batching must not change. A bf16 body's row-blocked fp32 head
-    gives bit-identical logits; an fp32 body keeps the packed head's kernel, so its body must be bit-identical
-    (the head's inputs) and its logits may differ by fp32 rounding alone."""
-    if loaded.model.dtype == torch.bfloat16:
+    gives bit-identical logits; any other head (an fp32 body's packed one, the 8-bit one of a GGUF, which
+    hands calls past Q8_MAX_ROWS rows to a packed copy) may differ by fp32 rounding alone, on bit-identical
+    inputs (the body's output)."""
+    if isinstance(loaded.model.get_output_embeddings(), FP32LogitsHead):
         assert torch.equal(got, want)
         return
     assert torch.equal(got_hidden, want_hidden)
@@ -201,8 +210,9 @@ def test_an_int4_model_in_an_fp32_body_is_made_batch_invariant(int4_fp32):
     model = int4_fp32.model
     assert model.dtype == torch.float32
     assert model.config._attn_implementation == ATTENTION
-    # its head keeps the packed kernel (fp32 rounding across batch shapes, no bf16 after it); its norms fp32
-    assert isinstance(model.get_output_embeddings(), PackedLinear)
+    # its head gives fp32 logits from the file's 8-bit blocks (fp32 rounding across batch shapes, no bf16 after
+    # it), or the packed fp32 kernel where the 8-bit one cannot be built; its norms stay fp32
+    assert isinstance(model.get_output_embeddings(), Q8Head if q8_kernel() else PackedLinear)
     assert not isinstance(model.get_decoder().norm, FP32Norm)
     # loaded to write text compared with nothing, it keeps SDPA
     writer = load_model("embedded", dtype="float32", weights="int4", batch_invariant=False).model

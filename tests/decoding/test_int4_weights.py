@@ -17,7 +17,7 @@ from service.decoding import (
     load_model,
     run_alone,
 )
-from service.decoding.batch_invariant import ATTENTION, FP32LogitsHead
+from service.decoding.batch_invariant import ATTENTION, FP32LogitsHead, FP32Norm
 from service.decoding.cpu_kernels import PackedLinear, default_cpu_dtype
 from service.decoding.int4_weights import (
     GROUP,
@@ -29,6 +29,7 @@ from service.decoding.int4_weights import (
     quantize_int4,
 )
 from service.decoding.paths import embedded_gguf_path
+from service.decoding.q8_head import Q8Head, q8_kernel
 from service.decoding.text import encode_chat
 from tests.conftest import make_word_model
 
@@ -126,7 +127,9 @@ def test_a_bf16_body_is_batch_invariant_with_fp32_logits():
     model = load_model("embedded", dtype="bfloat16", weights="int4").model
     assert model.dtype == torch.bfloat16
     assert model.config._attn_implementation == ATTENTION
-    assert isinstance(model.get_output_embeddings(), FP32LogitsHead)  # logits stay fp32: no bf16 ties
+    # logits stay fp32 (no bf16 ties): from the file's 8-bit blocks, or a packed fp32 copy without the kernel
+    assert isinstance(model.get_output_embeddings(), Q8Head if q8_kernel() else FP32LogitsHead)
+    assert isinstance(model.get_decoder().norm, FP32Norm)
     layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
     assert layer.scales_and_zeros.dtype == torch.bfloat16  # what the kernel takes
 
@@ -137,7 +140,8 @@ def test_an_fp32_body_keeps_fp32_activations_and_is_batch_invariant_too():
     model = load_model("embedded", dtype="float32", weights="int4").model
     assert model.dtype == torch.float32
     assert model.config._attn_implementation == ATTENTION
-    assert isinstance(model.get_output_embeddings(), PackedLinear)  # fp32 rounding only, no bf16 after it
+    # fp32 rounding only, no bf16 after it
+    assert isinstance(model.get_output_embeddings(), Q8Head if q8_kernel() else PackedLinear)
     layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
     assert layer.scales_and_zeros.dtype == torch.bfloat16  # not widened with the body
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(5))

@@ -1,0 +1,80 @@
+// y = x W^T for a weight held as 8-bit blocks (GGUF's Q8_0: 32 int8 weights and one scale a block), with fp32
+// activations and fp32 output: the LM head of a GGUF whose token embeddings are Q8_0, read as 1 byte a weight
+// instead of fp32's 4. See service/decoding/q8_head.py for why and how it is used.
+//
+// Every output (row n, column v) is computed by the same instructions in the same order whatever the number
+// of rows and threads: w = scale * q is exact in fp32 (a float16 scale times an int8), 32 lane accumulators
+// take w * x block after block, and the lanes are summed in a fixed order. So a row's logits have the same
+// bits alone or in a batch (what strict speculative decoding needs), and they are the dot products of the
+// file's own weights to fp32 rounding.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+inline float lane_sum(const float* lanes) {
+  // a fixed pairwise order, the same for every output
+  float s[16];
+  for (int i = 0; i < 16; ++i) s[i] = lanes[i] + lanes[i + 16];
+  for (int i = 0; i < 8; ++i) s[i] = s[i] + s[i + 8];
+  for (int i = 0; i < 4; ++i) s[i] = s[i] + s[i + 4];
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+// `T` rows against one weight row: the block is decoded once for all of them. Every row gets the same
+// operations as alone (lane-wise multiply, then add: built with -ffp-contract=off so no tile size fuses them
+// differently).
+template <int T>
+inline void dot_rows(const int8_t* __restrict qrow, const float* __restrict srow, const float* __restrict x,
+                     int64_t k, int64_t groups, float* __restrict out, int64_t out_stride) {
+  alignas(64) float lanes[T][kBlock] = {};
+  alignas(64) float w[kBlock];
+  for (int64_t g = 0; g < groups; ++g) {
+    const float s = srow[g];
+    const int8_t* __restrict qb = qrow + g * kBlock;
+    for (int i = 0; i < kBlock; ++i) w[i] = s * static_cast<float>(qb[i]);
+    for (int t = 0; t < T; ++t) {
+      const float* __restrict xb = x + t * k + g * kBlock;
+      for (int i = 0; i < kBlock; ++i) lanes[t][i] += w[i] * xb[i];
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t * out_stride] = lane_sum(lanes[t]);
+}
+
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [N, K]");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous(), "q: contiguous int8 [V, K]");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == torch::kFloat32 && scales.is_contiguous(),
+              "scales: contiguous fp32 [V, K / 32]");
+  const int64_t n_rows = x.size(0), k = x.size(1), v_out = q.size(0), groups = k / kBlock;
+  TORCH_CHECK(q.size(1) == k && k % kBlock == 0 && scales.size(0) == v_out && scales.size(1) == groups,
+              "shapes do not match");
+  auto out = torch::empty({n_rows, v_out}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+
+  at::parallel_for(0, v_out, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t v = begin; v < end; ++v) {
+      const int8_t* qrow = qp + v * k;
+      const float* srow = sp + v * groups;
+      int64_t n = 0;
+      for (; n + 8 <= n_rows; n += 8) dot_rows<8>(qrow, srow, xp + n * k, k, groups, op + n * v_out + v, v_out);
+      for (; n + 4 <= n_rows; n += 4) dot_rows<4>(qrow, srow, xp + n * k, k, groups, op + n * v_out + v, v_out);
+      for (; n + 2 <= n_rows; n += 2) dot_rows<2>(qrow, srow, xp + n * k, k, groups, op + n * v_out + v, v_out);
+      for (; n < n_rows; ++n) dot_rows<1>(qrow, srow, xp + n * k, k, groups, op + n * v_out + v, v_out);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q8_linear", &q8_linear, "x [N, K] fp32 times 8-bit block weights [V, K] (scales [V, K/32]): [N, V] fp32");
+}

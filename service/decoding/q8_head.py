@@ -1,0 +1,153 @@
+"""The LM head of a GGUF from its own 8-bit blocks: a quarter of fp32's bytes a forward, fp32 logits.
+
+A one-token forward of the embedded model read its fp32 LM head (49,152 x 576, 113 MB) in 7-9 ms: a quarter to
+a third of the whole forward once the body runs from 4-bit blocks (`int4_weights`). The GGUF stores that
+matrix (the token embeddings, tied) as Q8_0: blocks of 32 int8 weights and one float16 scale, 28 MB. llama.cpp
+reads those bytes; so does `Q8Head`, with a small C++ kernel (`kernels/q8_linear.cpp`): fp32 activations
+times scale * q, decoded in registers, fp32 logits. The weights are the file's own (found again exactly, as
+the 4-bit body's are: `q8_blocks`), and every logit is their dot product in fp32 to rounding, so quality is
+the fp32 head's. Measured on the embedded model's head (AMD EPYC with AVX512-BF16, 1 thread): 3.3 ms for one
+row against 7.8 for the oneDNN-packed fp32 head, 5.9 against 7.0 at 4 rows, 10.8 against 9.4 at 8; a whole
+forward of the embedded model (int4 body in bf16) 28.5 against 34.9 ms at width 1, 31.6 against 37.2 at 2.
+
+Past Q8_MAX_ROWS rows (wide verifications, batches) the kernel, which is compute-bound (it decodes every
+weight block once per 8 rows and multiplies in fp32), loses to oneDNN's blocked sgemm (16 rows 22 vs 12 ms),
+so such calls take the packed fp32 copy of the same weights (`cpu_kernels.PackedLinear`). The two kernels sum in different orders: a row's logits in a wide batch
+and alone differ by fp32 rounding (~1e-6), as the logits of any fp32 model do across batch shapes; the
+hidden states they are computed from keep their bits (`batch_invariant`). Within the 8-bit kernel a row gets
+the same bits for any row count and thread count (every output is computed by the same instructions).
+
+The kernel is compiled on first use, for this CPU (`-march=native`), into the model cache (keyed by its
+source, flags, torch version and the CPU's flags, so a cache shared by machines of several kinds holds one
+build each): about 30-50 s once, a few ms after. Without a C++ compiler and ninja (or if the build fails) the
+head stays the packed fp32 one, with a warning: the same logits to fp32 rounding, slower.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from service.decoding.cpu_kernels import PackedLinear, cpu_flags
+from service.decoding.paths import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32  # weights per scale: GGUF's Q8_0 block
+# rows (positions) up to which a call runs the 8-bit kernel; wider calls run the packed fp32 copy
+Q8_MAX_ROWS = 4
+_SOURCE = Path(__file__).with_name("kernels") / "q8_linear.cpp"
+# -ffp-contract=off: no tile size of the kernel fuses a multiply and an add where another does not, so a row's
+# bits do not depend on the rows beside it
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off")
+PROFILE_SCOPE = "csd::q8_linear"  # the kernel's span under torch.profiler (it is no aten operator)
+
+
+@functools.cache
+def q8_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """`q8_linear(x [N, K] fp32, q [V, K] int8, scales [V, K / 32] fp32) -> [N, V] fp32`, built once per
+    machine kind into the model cache; None where it cannot be built (logged)."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        key = hashlib.sha256(
+            b"\0".join(
+                [
+                    _SOURCE.read_bytes(),
+                    " ".join(_FLAGS).encode(),
+                    torch.__version__.encode(),
+                    " ".join(sorted(cpu_flags())).encode(),
+                ]
+            )
+        ).hexdigest()[:16]
+        folder = default_cache_dir() / "kernels" / f"q8_linear-{key}"
+        folder.mkdir(parents=True, exist_ok=True)
+        module = load(
+            name=f"csd_q8_linear_{key}",
+            sources=[str(_SOURCE)],
+            extra_cflags=list(_FLAGS),
+            build_directory=str(folder),
+            verbose=False,
+        )
+        return module.q8_linear
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: the fp32 head serves instead
+        log.warning("the 8-bit LM head kernel could not be built (%s); the LM head stays fp32", exc)
+        return None
+
+
+def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q [V, K] int8, scales [V, K / 32] fp32) when every block of 32 weights of `weight` is exactly
+    scale * q with q an int8 in -127..127 and scale a float16, as GGUF's Q8_0 stores them; None otherwise.
+
+    A Q8_0 block's largest weight has |q| = 127 (llama.cpp's quantiser sets scale = max|w| / 127), so the
+    dequantised block's max / 127 is its float16 scale again, exactly, and w / scale its q."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    v, k = weight.shape
+    blocks = weight.detach().float().reshape(v, k // BLOCK, BLOCK)
+    scales = (blocks.abs().amax(dim=-1) / 127).half().float()
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = (blocks / safe[..., None]).round_().clamp_(-127, 127)
+    if not torch.equal(q * scales[..., None], blocks):
+        return None
+    return q.to(torch.int8).reshape(v, k), scales.contiguous()
+
+
+class Q8Head(torch.nn.Module):
+    """An LM head (`nn.Linear` without bias) from 8-bit blocks: fp32 logits from fp32 or bf16 hidden states.
+    `weight` stays the model's own (tied) Parameter, for code that reads it (a draft head binds it)."""
+
+    def __init__(
+        self,
+        linear: torch.nn.Linear,
+        blocks: tuple[torch.Tensor, torch.Tensor],
+        kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        q, scales = blocks
+        # derived layouts: buffers, never saved
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        dense = torch.nn.Linear(self.in_features, self.out_features, bias=False)
+        with torch.no_grad():
+            dense.weight.copy_((q.float().reshape(-1, BLOCK) * scales.reshape(-1, 1)).reshape(q.shape))
+        self.wide = PackedLinear(dense)
+        self._kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1]).float().contiguous()
+        if rows.shape[0] > Q8_MAX_ROWS:
+            y = self.wide(rows)
+        else:
+            with torch.profiler.record_function(PROFILE_SCOPE):
+                y = self._kernel(rows, self.q, self.scales)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def head_blocks(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The model's LM head as 8-bit blocks, if it is exactly that (read it from the fp32 weights, before any
+    cast) and is a CPU `nn.Linear` without bias."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None or head.weight.device.type != "cpu":
+        return None
+    return q8_blocks(head.weight)
+
+
+def use_q8_head(model: torch.nn.Module, blocks: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Serve the model's LM head from `blocks` (`head_blocks`) when the kernel builds; returns whether it
+    does."""
+    kernel = q8_kernel()
+    if kernel is None:
+        return False
+    model.set_output_embeddings(Q8Head(model.get_output_embeddings(), blocks, kernel))
+    log.debug("LM head from 8-bit blocks (%d x %d)", *blocks[0].shape)
+    return True
