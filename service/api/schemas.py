@@ -21,7 +21,6 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 MethodName = Literal["vanilla", "sd", "lossy", "csd"]
 ProvenanceName = Literal["accepted", "rescued", "recovered", "bonus", "plain"]
 
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # A token id; the model's vocabulary size bounds it too (checked per request, where the model is known).
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
@@ -177,7 +176,10 @@ class _GenerationRequest(_Request):
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
     temperature: float | None = Field(None, ge=0, le=2, description="0: greedy (the server default)")
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    # any integer, used modulo 2^64 (torch's generator takes 64 bits, and maps a negative seed s to s + 2^64
+    # itself). A bound of 2^64 - 1 in the schema read as a double is 2^64, which clients generating from the
+    # schema (schemathesis did) then sent and had refused
+    seed: int | None = Field(None, description="any integer; used modulo 2^64")
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
         None, json_schema_extra=_non_empty_strings
     )

@@ -134,7 +134,7 @@ class Generation:
         if not sampling.greedy:
             self.generator = torch.Generator(device=target.device)
             if sampling.seed is not None:
-                self.generator.manual_seed(sampling.seed)
+                self.generator.manual_seed(sampling.seed % 2**64)  # (the API takes any integer)
             else:
                 self.generator.seed()
         self.drafter = drafter if spec.speculates else None

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.api.conftest import API_KEYS, Server, assert_openai_error
+from tests.api.conftest import Server, assert_openai_error
 
 PERSON = {
     "type": "object",
@@ -23,16 +22,6 @@ PERSON = {
     "additionalProperties": False,
 }
 ASK = [{"role": "user", "content": "Invent a person: name, age and city."}]
-
-
-@pytest.fixture(scope="module")
-def client(api_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS[0], max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +201,10 @@ def test_n_choices_share_a_prompt(client, model):
     assert sampled.usage.completion_tokens > 16  # summed over the choices
     again = client.chat.completions.create(**seeded, extra_body=spec("vanilla"))
     assert [c.message.content for c in again.choices] == texts  # seeded: reproducible
+    # any integer seeds, modulo 2^64 (the width of torch's generator): past 64 bits or negative
+    for wide in (7 + 2**64, 7 - 2**64, 7 + 5 * 2**70):
+        folded = client.chat.completions.create(**{**seeded, "seed": wide}, extra_body=spec("vanilla"))
+        assert [c.message.content for c in folded.choices] == texts, wide
 
 
 def test_n_choices_stream_with_their_indexes(client, model):

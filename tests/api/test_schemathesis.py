@@ -65,6 +65,9 @@ OPERATIONS = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
+    ("POST", "/v1/responses/{response_id}/cancel"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model}"),
     ("GET", "/v1/drafters"),
@@ -149,7 +152,7 @@ def test_no_request_gets_a_server_error(
         statuses.append(response.status_code)
 
     run()
-    if method == "POST" and mode == "valid":
+    if method == "POST" and mode == "valid" and "{" not in path:  # (a random response id names nothing: 404)
         assert 200 in statuses, f"no generated request reached the engine: {sorted(set(statuses))}"
 
 
@@ -161,7 +164,7 @@ EDGE_FLOATS = st.sampled_from([0.0, 5e-324, 1e-38, 1e-30, 1e-6, 9.99e-6, 1e-5, 0
 @given(
     temperature=st.one_of(st.none(), EDGE_FLOATS, st.floats(0, 2)),
     top_p=st.one_of(st.none(), EDGE_FLOATS.filter(lambda p: 0 < p <= 1), st.floats(0, 1, exclude_min=True)),
-    seed=st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)),
+    seed=st.one_of(st.none(), st.integers(-(2**70), 2**70)),  # any integer (used modulo 2^64)
     method=st.sampled_from(["vanilla", "sd", "lossy", "csd"]),
     num_speculative_tokens=st.integers(0, 8),
     stream=st.booleans(),

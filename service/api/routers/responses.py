@@ -119,7 +119,6 @@ async def create_response(
     "/responses/{response_id}",
     response_model=ResponseObject,
     responses=error_responses(400, 401, 404),
-    include_in_schema=False,  # tests/api/test_schemathesis.py lists the documented operations: add it there
 )
 async def retrieve_response(response_id: str, request: Request, stream: bool = False) -> Response:
     """A stored response as it stands: a background one's status moves from queued to where it ends."""
@@ -131,7 +130,6 @@ async def retrieve_response(response_id: str, request: Request, stream: bool = F
 @router.delete(
     "/responses/{response_id}",
     responses=error_responses(401, 404),
-    include_in_schema=False,  # as above
 )
 async def delete_response(response_id: str, request: Request) -> Response:
     """Forget a stored response (a background one that is running is cancelled first)."""
@@ -145,7 +143,6 @@ async def delete_response(response_id: str, request: Request) -> Response:
     "/responses/{response_id}/cancel",
     response_model=ResponseObject,
     responses=error_responses(400, 401, 404),
-    include_in_schema=False,  # as above
 )
 async def cancel_response(response_id: str, request: Request) -> Response:
     """Stop a background response's generation: it ends `cancelled`, with what it had written so far. A
