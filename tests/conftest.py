@@ -40,6 +40,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     reporter.write_line(
         f"cpu flags: {simd_summary()}; --dtype auto serves {dtype}; the embedded model's weights: {weights}"
     )
+    # the 8-bit LM head's kernel is compiled on first use (25-50 s once a machine): here, before any test
+    # starts a server whose readiness wait would otherwise pay for it
+    import time
+
+    from service.decoding.q8_head import q8_kernel
+
+    started = time.monotonic()
+    built = q8_kernel() is not None
+    reporter.write_line(
+        f"8-bit LM head kernel: {'ready' if built else 'unavailable (the LM head stays fp32)'} "
+        f"in {time.monotonic() - started:.1f} s"
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark

@@ -18,7 +18,7 @@ hidden states they are computed from keep their bits (`batch_invariant`). Within
 the same bits for any row count and thread count (every output is computed by the same instructions).
 
 The kernel is compiled on first use, for this CPU (`-march=native`), into the model cache (keyed by its
-source, flags, torch version and the CPU's flags, so a cache shared by machines of several kinds holds one
+source and its path, flags, torch version and the CPU's flags, so a cache shared by machines of several kinds holds one
 build each): about 30-50 s once, a few ms after. Without a C++ compiler and ninja (or if the build fails) the
 head stays the packed fp32 one, with a warning: the same logits to fp32 rounding, slower.
 """
@@ -59,6 +59,7 @@ def q8_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
             b"\0".join(
                 [
                     _SOURCE.read_bytes(),
+                    str(_SOURCE).encode(),  # ninja rebuilds when the build's source path changes
                     " ".join(_FLAGS).encode(),
                     torch.__version__.encode(),
                     " ".join(sorted(cpu_flags())).encode(),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -149,6 +150,18 @@ def api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     )  # fmt: skip
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(api_server: Server) -> openai.OpenAI:
+    """The official openai client on the shared server (a module may bring its own)."""
+    return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS[0], max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    """The served model's id, as /v1/models lists it."""
+    return client.models.list().data[0].id
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:

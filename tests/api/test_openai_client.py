@@ -11,16 +11,6 @@ CHAT = [{"role": "user", "content": "List three colours, separated by commas."}]
 PROMPT = "The three primary colours are"
 
 
-@pytest.fixture(scope="module")
-def client(api_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS[0], max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def test_models_list_names_the_served_model(client: openai.OpenAI, model: str) -> None:
     assert model == "SmolLM2-135M-Instruct"
     assert client.models.retrieve(model).id == model

@@ -11,7 +11,7 @@ import pytest
 
 from service.api.response_store import ResponseStore, StoredResponse
 from service.api.schemas import ChatMessage
-from tests.api.conftest import API_KEYS, Server, assert_openai_error
+from tests.api.conftest import Server, assert_openai_error
 
 WEATHER = {
     "type": "function",
@@ -25,16 +25,6 @@ WEATHER = {
     },
 }
 QUESTION = "What is the weather in Paris?"
-
-
-@pytest.fixture(scope="module")
-def client(api_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS[0], max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def test_text_input_with_instructions(client: openai.OpenAI, model: str) -> None:

@@ -15,16 +15,6 @@ from tests.api.conftest import API_KEYS, Server, assert_openai_error, start_serv
 FINISHED = ("completed", "incomplete", "failed", "cancelled")
 
 
-@pytest.fixture(scope="module")
-def client(api_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEYS[0], max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def poll(client: openai.OpenAI, response_id: str, timeout: float = 120):
     """Retrieve the response until it has finished (as OpenAI's background guide does)."""
     deadline = time.monotonic() + timeout
