@@ -285,15 +285,20 @@ def test_batch_occupancy_is_served_as_kv_cache_usage(api_server: Server) -> None
     """vllm:kv_cache_usage_perc is the fraction of batch rows in use (the endpoint picker reads it)."""
     idle = api_server.metrics()
     assert idle.value("vllm:num_requests_running") == 0 and idle.value("vllm:kv_cache_usage_perc") == 0
-    # ignore_eos and the server's whole cap (--max-tokens-cap 64): the generation is still running when the
-    # metrics are read (on a loaded machine 48 tokens were once done before the scrape answered)
+    # ignore_eos and the server's whole cap (--max-tokens-cap 64) keep the generation running while the
+    # metrics are read; on a loaded machine all 64 tokens were once done before the scrape answered (2 s at
+    # 30 ms a token), so a scrape that comes too late is tried again
     body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 64, "stream": True, "ignore_eos": True}
     body["speculative"] = {"method": "vanilla"}
-    with api_server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                break
-        during = api_server.metrics()
+    for _ in range(5):
+        with api_server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    break
+            during = api_server.metrics()  # (leaving the block disconnects: the server stops the request)
+        if during.value("vllm:num_requests_running") == 1:
+            break
+        assert wait_until(lambda: api_server.metrics().value("vllm:num_requests_running") == 0, timeout=20)
     assert during.value("vllm:num_requests_running") == 1
     assert during.value("vllm:kv_cache_usage_perc") == 1 / 16  # one of the default max_batch_size rows
     assert wait_until(lambda: api_server.metrics().value("vllm:kv_cache_usage_perc") == 0, timeout=20)
