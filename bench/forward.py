@@ -9,7 +9,8 @@ engine serves today:
   2-32, row-aligned eager attention, the final norm and LM head in fp32;
 - `int4`: `load_model(weights="int4")` (what `--weights auto` serves for a 4-bit GGUF on the CPU): the linear
   layers' 4-bit groups (`int4_weights`) in the body `--dtype auto` picks; `int4-bf16` the same in bf16's
-  batch-invariant body with an fp32 LM head, `int4-fp32` in an fp32 body (row-aligned attention, packed fp32 LM head), the two
+  batch-invariant body, `int4-fp32` in an fp32 body (row-aligned attention), both with the LM head from the
+  GGUF's 8-bit blocks (`q8_head`; a packed fp32 copy past 4 rows), the two
   bodies `auto` chooses between by the CPU's native bf16;
 - `hf-fp32` / `hf-bf16` (references, not served): the stock transformers model (`nn.Linear`, SDPA) through the
   same cache, to show what the engine's kernels change.
@@ -105,14 +106,14 @@ FORMATS = {
             "int4-bf16",
             "bfloat16",
             True,
-            "4-bit weights in groups of 32, bf16 body as bf16's, fp32 LM head",
+            "4-bit weights in groups of 32, bf16 body as bf16's, LM head from the GGUF's 8-bit blocks (fp32 logits)",
             weights="int4",
         ),
         Format(
             "int4-fp32",
             "float32",
             True,
-            "4-bit weights in groups of 32, fp32 body: row-aligned attention (8 queries a matmul), oneDNN-packed fp32 LM head",
+            "4-bit weights in groups of 32, fp32 body: row-aligned attention (8 queries a matmul), LM head from the GGUF's 8-bit blocks",
             weights="int4",
         ),
         Format("hf-fp32", "float32", False, "stock transformers: nn.Linear, SDPA (reference)"),
