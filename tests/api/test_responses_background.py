@@ -63,13 +63,18 @@ def aborted(server: Server) -> float:
     return server.metrics().value("vllm:request_success_total", finished_reason="abort")
 
 
+def count_in_background(client: openai.OpenAI, model: str):
+    """A background response long enough (64 tokens) to be still running when the test acts on it."""
+    return client.responses.create(
+        model=model, input="Count from one to fifty.", max_output_tokens=64, background=True
+    )
+
+
 def test_an_unfinished_background_response_cannot_be_continued(
     client: openai.OpenAI, model: str, api_server: Server
 ) -> None:
     before = aborted(api_server)
-    queued = client.responses.create(
-        model=model, input="Count from one to fifty.", max_output_tokens=64, background=True
-    )
+    queued = count_in_background(client, model)
     with pytest.raises(openai.BadRequestError) as raised:
         client.responses.create(model=model, input="And then?", previous_response_id=queued.id)
     assert raised.value.body["code"] == "previous_response_not_completed"
@@ -80,9 +85,7 @@ def test_an_unfinished_background_response_cannot_be_continued(
 
 def test_cancel_stops_the_generation(client: openai.OpenAI, model: str, api_server: Server) -> None:
     before = aborted(api_server)
-    queued = client.responses.create(
-        model=model, input="Count from one to fifty.", max_output_tokens=64, background=True
-    )
+    queued = count_in_background(client, model)
     cancelled = client.responses.cancel(queued.id)
     assert cancelled.status == "cancelled" and cancelled.id == queued.id
     # the engine dropped it (a 64-token generation would have finished with "length")
@@ -132,9 +135,7 @@ def test_delete_cancels_a_running_background_response(
     client: openai.OpenAI, model: str, api_server: Server
 ) -> None:
     before = aborted(api_server)
-    queued = client.responses.create(
-        model=model, input="Count from one to fifty.", max_output_tokens=64, background=True
-    )
+    queued = count_in_background(client, model)
     client.responses.delete(queued.id)
     assert wait_until(lambda: aborted(api_server) == before + 1, timeout=30)
     with pytest.raises(openai.NotFoundError):
