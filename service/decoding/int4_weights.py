@@ -16,13 +16,15 @@ its scales and zeros are bf16: so an `Int4Linear` multiplies in bf16 and returns
 the model (the body) runs in the dtype `--dtype auto` picks for the CPU:
 - bf16 where the CPU multiplies bf16 natively, made batch-invariant like any bf16 CPU model
   (`batch_invariant`): the int4 kernel gives a row the same bits for any row count (tested), attention is
-  row-aligned and the final norm and LM head run in fp32;
+  row-aligned and the final norm runs in fp32;
 - fp32 elsewhere (AVX2-only CPUs), where bf16 attention, norms and casts are emulated: there the fp32 body
-  (row-aligned attention, the oneDNN-packed fp32 LM head) is faster than the bf16 one: a forward of the
+  (row-aligned attention) is faster than the bf16 one: a forward of the
   embedded model 49.1 vs 54.3 ms at width 1, 87.3 vs 105.8 at width 8, 8 rows x 8 tokens 519 vs 687 ms
   (`python -m bench.forward`, AMD EPYC with AVX2 only, 1 thread, a busy host); batch-invariant too
   (`batch_invariant`), its logits differing across batch shapes by the head's fp32 rounding only.
-Either way strict speculative decoding stays plain decoding of the same weights (tested).
+In either body the LM head reads the GGUF's own 8-bit blocks where the file holds them (`q8_head`), fp32
+logits; elsewhere a packed fp32 head. Either way strict speculative decoding stays plain decoding of the same
+weights (tested).
 """
 
 from __future__ import annotations

@@ -315,7 +315,9 @@ def load_model(
     body in the dtype `dtype` gives: bf16 where the CPU multiplies bf16 natively, fp32
     elsewhere, where bf16 attention and norms are emulated and cost more than the 4-bit matmuls save), "dense"
     in the dtype's own format, "auto" int4 for a GGUF file whose linear layers are 4-bit
-    already (the file's own precision: the Q4_1 blocks are found again exactly) on a CPU, dense elsewhere."""
+    already (the file's own precision: the Q4_1 blocks are found again exactly) on a CPU, dense elsewhere.
+    With int4, an LM head that is exactly 8-bit blocks (a GGUF's Q8_0 token embeddings) reads them
+    (`q8_head`: fp32 logits, a C++ kernel built on first use; the packed fp32 head without it)."""
     if dtype not in DTYPES:
         raise DecodingError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if weights not in WEIGHTS:
@@ -365,7 +367,8 @@ def load_model(
         if blocks is not None:
             use_q8_head(model, blocks)
     if pack_cpu_weights:
-        pack_linear_layers(model)  # fp32 only: every linear layer of a dense model, an int4 model's LM head
+        # fp32 only: every linear layer of a dense model, the LM head of an int4 one without 8-bit blocks
+        pack_linear_layers(model)
     # strict speculative decoding's equality with plain decoding depends on it in bf16: every model that
     # serves or drafts keeps it
     if batch_invariant:

@@ -109,7 +109,7 @@ def test_an_int4_model_serves_the_8_bit_head_with_the_fp32_heads_logits(kernel, 
             assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_without_the_kernel_the_head_stays_the_packed_fp32_one(tmp_path):
+def test_a_cache_the_kernel_cannot_be_built_in_gives_no_kernel_and_says_why(tmp_path):
     # a cache the kernel cannot be built into (a path under a file) is a real fault: no kernel, and a warning
     # that says why (load_model then keeps the packed fp32 head: `use_q8_head` needs the kernel)
     blocked = tmp_path / "file"
