@@ -45,6 +45,12 @@ def _ngram(inputs: DrafterInputs) -> Drafter:
     return NgramDrafter(inputs.ngram_min, inputs.ngram_max)
 
 
+def _suffix(inputs: DrafterInputs) -> Drafter:
+    from service.decoding.drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter()
+
+
 def _model(inputs: DrafterInputs) -> Drafter | None:
     from service.decoding.drafters.model import ModelDrafter
 
@@ -66,6 +72,7 @@ _NO_HEAD = "the server has no draft head for its model: --draft-head FOLDER"
 # In build order: an entry may use the drafters built above it.
 DRAFTERS: tuple[DrafterEntry, ...] = (
     DrafterEntry("ngram", "prompt lookup", None, "", _ngram),
+    DrafterEntry("suffix", "suffix trees over the request and earlier outputs", None, "", _suffix),
     DrafterEntry("model", "a draft model", "draft_model", "start the server with --draft-model", _model),
     DrafterEntry("head", "the trained draft head", "draft_head", _NO_HEAD, _head),
     DrafterEntry(

@@ -182,7 +182,9 @@ class Generation:
         k = self.draft_budget()
         if not k or self.drafter is None:
             return None
-        return DraftRow(self, self.committed, k, self.sampling, self.generator, self.target_hidden)
+        return DraftRow(
+            self, self.committed, k, self.sampling, self.generator, self.target_hidden, self.spec.draft_pool
+        )
 
     def draft_budget(self) -> int:
         """The most draft tokens this round may verify: a round emits up to k + 1 tokens, so never draft

@@ -55,6 +55,9 @@ class SpeculativeConfig:
     guard_turns: bool = True
     # structured output: draft the tokens the grammar forces (jump-forward); off only to measure what it buys
     jump_forward: bool = True
+    # drafters that learn across requests (suffix) draft from, and add the output to, this pool's earlier
+    # outputs only: the API sets the request's tenant. None: the request's own text only
+    draft_pool: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, Method):

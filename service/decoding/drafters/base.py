@@ -52,6 +52,9 @@ class DraftRow:
     sampling: SamplingParams
     generator: torch.Generator | None
     target_hidden: torch.Tensor | None  # [hidden]; None before the target has seen any of the prompt
+    # whose earlier outputs may shape this row's draft, and which pool its output joins (the API's tenant;
+    # `SpeculativeConfig.draft_pool`); None: the row's own text only
+    pool: str | None = None
 
 
 class BatchDrafter(Protocol):

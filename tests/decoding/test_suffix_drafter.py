@@ -1,0 +1,202 @@
+"""The suffix drafter (SuffixDecoding, arXiv 2411.04975): its trees against brute-force counts, the draft
+rule (most frequent path, match-length-adaptive length, probability floor), the bounded global tree, pools
+kept apart, and strict SD with it identical to vanilla through the real engine on the embedded model."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from service.decoding import Engine, Method, SamplingParams, SpeculativeConfig
+from service.decoding.drafters import DraftRow
+from service.decoding.drafters.suffix import (
+    GLOBAL_KEY_OFFSET,
+    GlobalSuffixTrees,
+    SuffixDrafter,
+    SuffixTree,
+    _Node,
+)
+from service.decoding.engine import run_to_end
+from service.decoding.text import encode_chat
+
+
+def substring_counts(sequences: list[list[int]], depth: int) -> Counter:
+    """Every substring of up to `depth` tokens of every sequence, counted (what the trie must hold)."""
+    counts: Counter = Counter()
+    for seq in sequences:
+        for start in range(len(seq)):
+            for end in range(start + 1, min(start + depth, len(seq)) + 1):
+                counts[tuple(seq[start:end])] += 1
+    return counts
+
+
+def trie_counts(tree: SuffixTree) -> Counter:
+    counts: Counter = Counter()
+    stack: list[tuple[tuple[int, ...], _Node]] = [((), tree.root)]
+    nodes = 0
+    while stack:
+        path, node = stack.pop()
+        nodes += 1
+        if path:
+            counts[path] = node.count
+        for token, child in (node.children or {}).items():
+            stack.append((path + (token,), child))
+    assert nodes == tree.nodes, "the node count drifted from the trie"
+    return counts
+
+
+def check_best(tree: SuffixTree) -> None:
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        children = node.children or {}
+        if not children:
+            assert node.best == -1
+            continue
+        assert children[node.best].count == max(c.count for c in children.values())
+        stack.extend(children.values())
+
+
+@pytest.mark.parametrize("depth", [1, 3, 8])
+def test_append_and_add_index_every_substring_with_its_count(depth):
+    rng = random.Random(depth)
+    seqs = [[rng.randrange(5) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
+    grown = SuffixTree(depth)
+    for piece in (seqs[0][:7], seqs[0][7:20], seqs[0][20:]):  # grown in uneven pieces, as rounds keep tokens
+        grown.append(piece)
+    assert trie_counts(grown) == substring_counts([seqs[0]], depth)
+    assert grown.root.count == len(seqs[0])
+    whole = SuffixTree(depth)
+    for seq in seqs:
+        whole.add(seq)
+    assert trie_counts(whole) == substring_counts(seqs, depth)
+    check_best(whole)
+
+
+def test_remove_undoes_add_and_frees_the_nodes():
+    rng = random.Random(7)
+    seqs = [[rng.randrange(4) for _ in range(30)] for _ in range(5)]
+    tree = SuffixTree(6)
+    for seq in seqs:
+        tree.add(seq)
+    for gone in range(3):
+        tree.remove(seqs[gone])
+        assert trie_counts(tree) == substring_counts(seqs[gone + 1 :], 6)
+        check_best(tree)
+    for seq in seqs[3:]:
+        tree.remove(seq)
+    assert tree.nodes == 1 and tree.root.count == 0 and not tree.root.children
+
+
+def test_the_draft_follows_the_most_frequent_continuation_of_the_longest_match():
+    tree = SuffixTree(16)
+    # after [1, 2]: 3 then 4 twice, 5 once; after [9, 1, 2] only 5, 6, 7, 8 (a longer, unique match)
+    for seq in ([1, 2, 3, 4], [1, 2, 3, 4], [9, 1, 2, 5, 6, 7, 8]):
+        tree.add(seq)
+    draft = tree.speculate([0, 1, 2], max_tokens=8, factor=4, offset=0, min_token_prob=0.1)
+    assert draft.tokens == [3, 4] and draft.match_len == 2
+    assert draft.score == pytest.approx(2 / 3 + 2 / 3)
+    draft = tree.speculate([9, 1, 2], max_tokens=8, factor=4, offset=0, min_token_prob=0.1)
+    assert draft.tokens == [5, 6, 7, 8] and draft.match_len == 3
+
+
+def test_draft_length_grows_with_the_match_and_stops_below_the_probability_floor():
+    tree = SuffixTree(24)
+    tree.add(list(range(100, 130)))
+    context = [100, 101, 102]  # a 3-token match: factor 1 allows 3 tokens, factor 2 six
+    assert tree.speculate(context, 20, 1.0, 0.0, 0.1).tokens == [103, 104, 105]
+    assert tree.speculate(context, 20, 2.0, 0.0, 0.1).tokens == list(range(103, 109))
+    assert tree.speculate(context, 4, 2.0, 0.0, 0.1).tokens == list(range(103, 107))  # the row's budget
+    assert tree.speculate([7, 8], 20, 1.0, 0.0, 0.1).tokens == []  # no match
+    # a branch where the likeliest continuation has 1/4 of the mass: under a floor of 0.3 nothing is drafted
+    branchy = SuffixTree(8)
+    for tail in (1, 2, 3, 4):
+        branchy.add([50, tail])
+    assert branchy.speculate([50], 4, 4.0, 0.0, 0.3).tokens == []
+    assert branchy.speculate([50], 4, 4.0, 0.0, 0.2).tokens == [1]
+
+
+def test_the_global_trees_are_bounded_and_evict_the_oldest_outputs():
+    trees = GlobalSuffixTrees(max_depth=8, max_nodes=400)
+    rng = random.Random(3)
+    outputs = [[rng.randrange(1000) for _ in range(20)] for _ in range(30)]
+    for output in outputs:
+        trees.add("t", output)
+        assert trees.nodes <= 400
+    kept = trees.outputs("t")
+    assert 1 <= kept < len(outputs)
+    # the newest outputs are still drafted from, the oldest not
+    newest, oldest = outputs[-1], outputs[0]
+    # (a depth-8 trie drafts at most 8 - m tokens after an m-token match)
+    drafted = trees.speculate("t", newest[:4], 8, 2.0, 0, 0.1).tokens
+    assert len(drafted) >= 4 and drafted == newest[4 : 4 + len(drafted)]
+    gone = trees.speculate("t", oldest[:4], 8, 2.0, 0, 0.1)  # at most a chance 1-token match elsewhere
+    assert gone.match_len <= 1 and gone.tokens[:2] != oldest[4:6]
+
+
+def row(sequence: object, committed: list[int], k: int, pool: str | None) -> DraftRow:
+    return DraftRow(sequence, committed, k, SamplingParams(), None, None, pool)
+
+
+def test_outputs_shape_drafts_of_their_own_pool_only():
+    drafter = SuffixDrafter()
+    prompt, output = [5, 6, 7], list(range(200, 240))
+    rows = drafter.rows()
+    seq = object()
+    rows.propose([row(seq, prompt, 8, "tenant-a")])
+    committed = prompt + output  # what the target kept by the time the sequence leaves
+    rows.propose([row(seq, committed, 8, "tenant-a")])
+    rows.leave(seq)
+    assert drafter.global_trees.outputs("tenant-a") == 1
+    again = [1, 2, 200, 201, 202, 203]
+    same = rows.propose([row(object(), again, 8, "tenant-a")])[0]
+    assert same.tokens == list(range(204, 208)) and same.key > GLOBAL_KEY_OFFSET  # a 4-token match: 4
+    assert rows.propose([row(object(), again, 8, "tenant-b")])[0].tokens == []
+    assert rows.propose([row(object(), again, 8, None)])[0].tokens == []
+    assert drafter.global_trees.outputs("tenant-b") == 0
+
+
+def test_the_request_tree_drafts_from_the_prompt_and_the_output_so_far():
+    rows = SuffixDrafter().rows()
+    seq = object()
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    draft = rows.propose([row(seq, text, 6, None)])[0]
+    assert draft.tokens == [4, 5, 6] and draft.key == 3  # a 3-token match drafts 3 at factor 1
+    text += [4, 5, 6, 7]
+    assert rows.propose([row(seq, text, 6, None)])[0].tokens == [8, 9, 1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------- through the real engine
+
+
+PROMPTS = [
+    'Call the tool: {"name": "read_file", "arguments": {"path": "src/app.py"}}. Repeat the call exactly.',
+    "Rewrite this function with a docstring:\ndef add(a, b):\n    return a + b\n",
+    "List the planets of the solar system, one per line.",
+]
+
+
+def test_strict_sd_with_the_suffix_drafter_is_vanilla_token_for_token(embedded, single_thread):
+    """Twice over each prompt in one pool, so the second pass drafts from the first pass's outputs (the
+    global tree) as well as its own text: output identical to vanilla, and the pool made drafts longer."""
+    drafter = SuffixDrafter()
+    engine = Engine(embedded, {"suffix": drafter})
+    tok = embedded.tokenizer
+    sampling = SamplingParams(temperature=0.0, max_tokens=48)
+    vanilla = SpeculativeConfig(method=Method.VANILLA)
+    sd = SpeculativeConfig(method=Method.SD, num_speculative_tokens=16, draft_pool="p")
+    kept = {0: 0, 1: 0}
+    forwards = {0: 0, 1: 0}
+    for pass_ in (0, 1):
+        for prompt in PROMPTS:
+            ids = encode_chat(tok, [{"role": "user", "content": prompt}])
+            plain = run_to_end(engine.generate(ids, sampling, vanilla))
+            spec = run_to_end(engine.generate(ids, sampling, sd, drafter="suffix"))
+            assert [t.token_id for t in spec.tokens] == [t.token_id for t in plain.tokens], prompt
+            kept[pass_] += spec.stats.num_accepted
+            forwards[pass_] += spec.stats.target_forwards
+    assert drafter.global_trees.outputs("p") == 2 * len(PROMPTS)
+    # the second pass repeats outputs the pool holds: strictly more accepted tokens in fewer forwards
+    assert kept[1] > kept[0] and forwards[1] < forwards[0]
