@@ -1,9 +1,10 @@
 """Build OpenAI's response and stream-chunk shapes from the engine's events.
 
-One formatter per endpoint: `CompletionFormatter` (object "text_completion") and `ChatFormatter`
-("chat.completion" / "chat.completion.chunk", whose first chunk of each choice carries the assistant role).
-A request's results arrive as `PromptResult`s (one per prompt: completions may send a batch), each with its
-`ChoiceResult`s (n per prompt); choices are numbered prompt by prompt, as OpenAI and vLLM do.
+Two formatters over the driver's events (`driver.py`; the Responses API's is in `responses_output.py`):
+`CompletionFormatter` (object "text_completion") and `ChatFormatter` ("chat.completion" /
+"chat.completion.chunk", whose first chunk of each choice carries the assistant role). They read a request's
+`Results` (`results.py`), which the driver gathered: one per prompt (completions may send a batch), n choices
+each, numbered prompt by prompt as OpenAI and vLLM do.
 
 Logprobs: the chat shape (`{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`) and the legacy
 completions shape (parallel `tokens` / `token_logprobs` / `top_logprobs` / `text_offset` lists, whose
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from service.api.driver import DONE, Formatter, sse
+from service.api.errors import APIError
 from service.api.events import DoneEvent, GenerationPlan, PromptEvent, StepEvent
+from service.api.results import ChoiceResult, PromptResult, Results, provenance_tokens
 from service.api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -43,7 +46,7 @@ from service.api.schemas import (
 )
 from service.api.tools import CallStart, TextDelta, ToolPlan, collect
 from service.decoding import GenerationStats
-from service.decoding.types import EmittedToken, combined_stats
+from service.decoding.types import EmittedToken
 
 
 def usage(stats: GenerationStats) -> Usage:
@@ -75,70 +78,6 @@ def speculative_stats(
         forced_tokens=stats.forced_tokens,
         tokens=tokens,
     )
-
-
-def provenance_tokens(event: StepEvent) -> list[ProvenanceToken]:
-    texts = event.token_texts or []
-    out = []
-    for token, (text, replaced_text) in zip(event.tokens, texts, strict=False):
-        out.append(
-            ProvenanceToken(
-                id=token.token_id,
-                text=text,
-                provenance=token.provenance.value,
-                replaced_id=token.replaced_token_id,
-                replaced_text=replaced_text,
-            )
-        )
-    return out
-
-
-@dataclass
-class ChoiceResult:
-    """One choice's output, gathered from its events."""
-
-    index: int
-    text: str = ""
-    finish_reason: str = "stop"
-    stats: GenerationStats | None = None
-    provenance: list[ProvenanceToken] = field(default_factory=list)
-    tokens: list[EmittedToken] = field(default_factory=list)  # with logprobs: every emitted token
-    texts: dict[int, str] = field(default_factory=dict)  # token id -> text, for logprobs
-    raw: dict[int, bytes] = field(default_factory=dict)  # token id -> its own bytes, for chat logprobs
-
-    def add_step(self, event: StepEvent) -> None:
-        self.provenance.extend(provenance_tokens(event))
-        if event.logprob_texts is not None:
-            self.tokens.extend(event.tokens)
-            self.texts.update(event.logprob_texts)
-            self.raw.update(event.logprob_bytes or {})
-
-    def finish(self, event: DoneEvent) -> None:
-        self.text, self.finish_reason, self.stats = event.text, event.finish_reason, event.stats
-
-
-@dataclass
-class PromptResult:
-    """One prompt of a request: its choices, and its own logprobs when echo asked for them."""
-
-    plan: GenerationPlan
-    choices: list[ChoiceResult]
-    prompt: PromptEvent | None = None
-
-    @property
-    def done(self) -> bool:
-        return all(c.stats is not None for c in self.choices)
-
-
-def request_stats(results: list[PromptResult]) -> GenerationStats:
-    """A request's totals: each prompt counted once, every choice's output."""
-    parts = [c.stats for r in results for c in r.choices if c.stats is not None]
-    total = combined_stats(parts, sum(len(r.plan.prompt_ids) for r in results))
-    # a prompt's choices share one prefill, so its cached tokens count once, like its prompt tokens
-    total.cached_tokens = sum(
-        max((c.stats.cached_tokens for c in r.choices if c.stats is not None), default=0) for r in results
-    )
-    return total
 
 
 def chat_logprobs(tokens: list[EmittedToken], texts: dict[int, str], raw: dict[int, bytes]) -> ChatLogprobs:
@@ -181,10 +120,12 @@ def completion_logprobs(
     return out
 
 
-class Formatter:
-    """What one request's responses share: id, creation time, model name, usage chunk or not."""
+class ChunkFormatter(Formatter):
+    """What chat and completions share: id, creation time, model name, `data: {chunk}` events ended by
+    `data: [DONE]`, an error as a last `data: {"error": ...}` event, the usage chunk or not."""
 
     id_prefix = "cmpl"
+    end_of_stream = DONE
 
     def __init__(
         self, model: str, plan: GenerationPlan, include_usage: bool = False, continuous_usage: bool = False
@@ -194,21 +135,17 @@ class Formatter:
         self.model = model
         self.plan = plan
         self.include_usage = include_usage
-        # vLLM's continuous_usage_stats: every chunk carries the usage so far (`counted` tokens streamed)
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far
         self.continuous_usage = include_usage and continuous_usage
-        self.counted = 0
 
-    def count(self, event: StepEvent) -> None:
-        self.counted += event.num_tokens
-
-    def with_usage(self, chunk: dict) -> dict:
-        """A chunk with the usage so far, when the request asked for it on every chunk."""
+    def frame(self, chunk: dict, results: Results) -> bytes:
+        """A chunk as its event; with continuous usage, the usage so far on it (unless it has its own)."""
         if self.continuous_usage and chunk.get("usage") is None:
-            prompt = len(self.plan.prompt_ids)
+            prompt, generated = len(self.plan.prompt_ids), results.generated
             chunk["usage"] = Usage(
-                prompt_tokens=prompt, completion_tokens=self.counted, total_tokens=prompt + self.counted
+                prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated
             ).model_dump(mode="json")
-        return chunk
+        return sse(chunk)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -218,11 +155,8 @@ class Formatter:
         # OpenAI sends "usage": null on every chunk but the last when include_usage is on, and no key when off.
         return chunk.model_dump(mode="json", exclude=None if self.include_usage else {"usage"})
 
-    def opening_chunks(self) -> list[dict]:
-        return []
-
-    def prompt_chunks(self, event: PromptEvent) -> list[dict]:
-        return []
+    def _chunk(self, **kwargs: object) -> BaseModel:
+        raise NotImplementedError
 
     def step_chunk(self, event: StepEvent) -> dict | None:
         raise NotImplementedError
@@ -236,15 +170,22 @@ class Formatter:
         chunk = self.step_chunk(event)
         return [] if chunk is None else [chunk]
 
-    def finish_chunks(self, index: int, finish_reason: str, stats: GenerationStats) -> list[dict]:
+    def finish_chunks(self, event: DoneEvent) -> list[dict]:
         """The chunks that end a choice: held-back text or tool calls, then its finish chunk."""
-        return [self.finish_chunk(index, finish_reason, stats)]
+        return [self.finish_chunk(event.index, event.finish_reason, event.stats)]
 
-    def usage_chunk(self, stats: GenerationStats) -> dict:
-        raise NotImplementedError
+    def closing_chunks(self, results: Results) -> list[dict]:
+        if not self.include_usage:
+            return []
+        stats = results.totals()
+        return [
+            self._dump(
+                self._chunk(choices=[], usage=usage(stats), speculative=speculative_stats(self.plan, stats))
+            )
+        ]
 
-    def response(self, results: list[PromptResult]) -> dict:
-        raise NotImplementedError
+    def error_chunks(self, error: APIError) -> list[dict]:
+        return [error.body()]
 
     def _step_speculative(self, event: StepEvent) -> SpeculativeTokens | None:
         if not self.plan.return_provenance:
@@ -257,23 +198,14 @@ class Formatter:
         asked = self.plan.return_provenance or self.wants_logprobs
         return bool(event.text) or (asked and event.num_tokens > 0)
 
-    def _choices(self, results: list[PromptResult]) -> list[tuple[int, PromptResult, ChoiceResult]]:
-        """(request-wide index, its prompt, the choice), numbered prompt by prompt."""
-        out, index = [], 0
-        for result in results:
-            for choice in result.choices:
-                out.append((index, result, choice))
-                index += 1
-        return out
 
-    def _speculative(self, results: list[PromptResult]) -> SpeculativeStats:
-        provenance = None
-        if self.plan.return_provenance:
-            provenance = [t for r in results for c in r.choices for t in c.provenance]
-        return speculative_stats(self.plan, request_stats(results), provenance)
+def request_speculative(plan: GenerationPlan, results: Results) -> SpeculativeStats:
+    """A finished request's speculative statistics, with every token's provenance when it asked."""
+    provenance = results.provenance() if plan.return_provenance else None
+    return speculative_stats(plan, results.totals(), provenance)
 
 
-class CompletionFormatter(Formatter):
+class CompletionFormatter(ChunkFormatter):
     id_prefix = "cmpl"
 
     def __init__(
@@ -318,14 +250,9 @@ class CompletionFormatter(Formatter):
         choice = CompletionChoice(index=index, text="", finish_reason=finish_reason)  # type: ignore[arg-type]
         return self._dump(self._chunk(choices=[choice], speculative=speculative_stats(self.plan, stats)))
 
-    def usage_chunk(self, stats: GenerationStats) -> dict:
-        return self._dump(
-            self._chunk(choices=[], usage=usage(stats), speculative=speculative_stats(self.plan, stats))
-        )
-
-    def response(self, results: list[PromptResult]) -> dict:
+    def response(self, results: Results) -> dict:
         choices = []
-        for index, result, choice in self._choices(results):
+        for index, result, choice in results.choices:
             text, entries, texts = choice.text, [], dict(choice.texts)
             echo = _echo_text(result) if self.echo is not None else None
             if echo is not None:
@@ -347,8 +274,8 @@ class CompletionFormatter(Formatter):
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=usage(request_stats(results)),
-            speculative=self._speculative(results),
+            usage=usage(results.totals()),
+            speculative=request_speculative(self.plan, results),
         ).model_dump(mode="json")
 
 
@@ -371,7 +298,7 @@ def _emitted_entries(
     return [(t.token_id, t.logprob, t.top_logprobs) for t in tokens]
 
 
-class ChatFormatter(Formatter):
+class ChatFormatter(ChunkFormatter):
     """With `tools` (a ToolPlan), the generated text goes through its tool-call parser: content and
     tool calls in the response, content and tool-call deltas in the stream (one parser per choice)."""
 
@@ -439,14 +366,15 @@ class ChatFormatter(Formatter):
             for i, d in enumerate(deltas)
         ]
 
-    def finish_chunks(self, index: int, finish_reason: str, stats: GenerationStats) -> list[dict]:
+    def finish_chunks(self, event: DoneEvent) -> list[dict]:
         if self._streams is None:
-            return super().finish_chunks(index, finish_reason, stats)
+            return super().finish_chunks(event)
+        index = event.index
         held = [
             self._dump(self._chunk(choices=[ChatChunkChoice(index=index, delta=d)]))
             for d in self._deltas(index, None)
         ]
-        return [*held, self.finish_chunk(index, finish_reason, stats)]
+        return [*held, self.finish_chunk(index, event.finish_reason, event.stats)]
 
     def _deltas(self, index: int, text: str | None) -> list[ChatDelta]:
         """The parser's events for `text` (None: the end) as deltas; consecutive content pieces merge."""
@@ -473,11 +401,6 @@ class ChatFormatter(Formatter):
                 deltas.append(ChatDelta(tool_calls=[ToolCallDelta(index=event.index, function=piece)]))
         return deltas
 
-    def usage_chunk(self, stats: GenerationStats) -> dict:
-        return self._dump(
-            self._chunk(choices=[], usage=usage(stats), speculative=speculative_stats(self.plan, stats))
-        )
-
     def _message(self, choice: ChoiceResult) -> tuple[AssistantMessage, str]:
         if self.tools is None:
             return AssistantMessage(content=choice.text), choice.finish_reason
@@ -486,9 +409,9 @@ class ChatFormatter(Formatter):
         finish_reason = self.tools.finish_reason(choice.finish_reason, called=bool(calls))
         return AssistantMessage(content=content, tool_calls=calls or None), finish_reason
 
-    def response(self, results: list[PromptResult]) -> dict:
+    def response(self, results: Results) -> dict:
         choices = []
-        for index, _, choice in self._choices(results):
+        for index, _, choice in results.choices:
             message, finish_reason = self._message(choice)
             choices.append(
                 ChatChoice(
@@ -505,6 +428,6 @@ class ChatFormatter(Formatter):
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=usage(request_stats(results)),
-            speculative=self._speculative(results),
+            usage=usage(results.totals()),
+            speculative=request_speculative(self.plan, results),
         ).model_dump(mode="json")

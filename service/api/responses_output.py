@@ -1,10 +1,11 @@
 """The Responses API's output: the response object, its output items, and OpenAI's typed stream events.
 
 `ResponseBuilder` builds one response's output items from its generated text, through the same tool-call
-parser the chat endpoint uses: a `message` item for text, one `function_call` item per call. Streaming,
-`feed` and `finish` return the events that text makes (`response.created`, `response.output_item.added`,
-`response.output_text.delta`, ..., `response.completed`); the JSON answer and a background response ignore
-them and read `response()`.
+parser the chat endpoint uses: a `message` item for text, one `function_call` item per call. `feed`,
+`finish` and `complete` return the events that text makes (`response.created`, `response.output_item.added`,
+`response.output_text.delta`, ..., `response.completed`). `ResponsesFormatter` is the Responses API's
+formatter over the one driver's events (`driver.py`): a stream sends the builder's events, the JSON answer
+and a background response drop them and read `response()`.
 
 A response's status (OpenAI's): `queued` (a background response waiting for the engine), `in_progress`,
 then `completed`, `incomplete` (the token budget ran out), `failed` (with `error`) or `cancelled`.
@@ -15,12 +16,17 @@ from __future__ import annotations
 import copy
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from service.api.driver import Formatter, sse
 from service.api.errors import APIError
+from service.api.events import DoneEvent, GenerationPlan, StepEvent
+from service.api.formatters import request_speculative
 from service.api.responses_api import FunctionTool, NamedFunction, ResponsesRequest, TextFormat
+from service.api.results import Results
 from service.api.schemas import (
     ChatMessage,
     FunctionCallParam,
@@ -156,7 +162,8 @@ class ResponseBuilder:
         events: list[ToolEvent] = self._parser.feed(text) if self._parser else [TextDelta(text)]
         return self._apply(events)
 
-    def finish(self, finish_reason: str, usage: ResponseUsage, speculative: SpeculativeStats) -> list[dict]:
+    def finish(self, finish_reason: str) -> list[dict[str, Any]]:
+        """The generation finished: the held-back text or calls, and the last item closed."""
         out = self._apply(self._parser.close()) if self._parser else []
         incomplete = finish_reason == "length"
         if not self.items:  # no text and no call: still one (maybe empty) message
@@ -164,14 +171,22 @@ class ResponseBuilder:
             self._space = ""
         out += self._close(incomplete)
         self.status = "incomplete" if incomplete else "completed"
+        return out
+
+    def complete(self, usage: ResponseUsage, speculative: SpeculativeStats) -> dict[str, Any]:
+        """The response's last event, with its usage. `response.completed` also when the budget ran out (its
+        response's status says "incomplete"), as vLLM does: the openai client's stream helper and the Agents
+        SDK wait for that event alone."""
         self.usage, self.speculative = usage, speculative
-        # response.completed also when the budget ran out (its response's status says "incomplete"), as
-        # vLLM does: the openai client's stream helper and the Agents SDK wait for that event alone.
-        return [*out, self._event("response.completed", response=self.response())]
+        return self._event("response.completed", response=self.response())
 
     def error_event(self, error: APIError) -> dict[str, Any]:
         """OpenAI's `error` event: a stream that failed after it began ends with it."""
         return self._event("error", code=error.code, message=error.message, param=error.param)
+
+    @property
+    def running(self) -> bool:
+        return self.status in ("queued", "in_progress")
 
     def stop(self, status: Literal["failed", "cancelled"], error: APIError | None = None) -> None:
         """End without a finish: the item being written stays in the output, marked incomplete."""
@@ -322,3 +337,55 @@ class ResponseBuilder:
             role="assistant", content=text if text or not calls else None, tool_calls=calls or None
         )
         return [*before, turn]
+
+
+# ---------------------------------------------------------------- the formatter
+
+
+class ResponsesFormatter(Formatter):
+    """The Responses API over the driver's events (`driver.py`): the builder's typed events in a stream, the
+    response object as the JSON answer; a background response runs the same events and keeps the builder.
+    `keep` is called once the response has finished, before its last event is sent (to store it)."""
+
+    def __init__(self, builder: ResponseBuilder, plan: GenerationPlan, keep: Callable[[], None]) -> None:
+        self.builder = builder
+        self.plan = plan
+        self.keep = keep
+
+    def frame(self, chunk: dict, results: Results) -> bytes:
+        return sse(chunk, event=chunk["type"])
+
+    def opening_chunks(self) -> list[dict]:
+        return self.builder.start()
+
+    def step_chunks(self, event: StepEvent) -> list[dict]:
+        return self.builder.feed(event.text)
+
+    def finish_chunks(self, event: DoneEvent) -> list[dict]:
+        return self.builder.finish(event.finish_reason)
+
+    def closing_chunks(self, results: Results) -> list[dict]:
+        stats = results.totals()
+        usage = ResponseUsage(
+            input_tokens=stats.prompt_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=stats.cached_tokens),
+            output_tokens=stats.completion_tokens,
+            total_tokens=stats.prompt_tokens + stats.completion_tokens,
+        )
+        completed = self.builder.complete(usage, request_speculative(self.plan, results))
+        self.keep()
+        return [completed]
+
+    def error_chunks(self, error: APIError) -> list[dict]:
+        """OpenAI's `error` event; the response, where it was still running, ends `failed` with the error."""
+        event = self.builder.error_event(error)
+        if self.builder.running:
+            self.builder.stop("failed", error)
+        return [event]
+
+    def response(self, results: Results) -> dict:
+        (choice,) = results.prompts[0].choices
+        self.builder.feed(choice.text)
+        self.builder.finish(choice.finish_reason)
+        self.closing_chunks(results)
+        return self.builder.response()

@@ -1,4 +1,5 @@
-"""POST /v1/completions and POST /v1/chat/completions (JSON, or SSE with `stream: true`)."""
+"""POST /v1/completions and POST /v1/chat/completions (JSON, or SSE with `stream: true`): each plans its
+request, names its formatter (`formatters.py`) and hands both to the one driver (`driver.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.api.deps import Authorized, ServingRuntime, ServingWorker, State
+from service.api.driver import Generation, refuse_if_full, respond
 from service.api.formatters import ChatFormatter, CompletionFormatter
 from service.api.openapi import error_responses
 from service.api.plan import plan_chat, plan_completion
@@ -19,7 +21,6 @@ from service.api.schemas import (
     CompletionRequest,
     CompletionResponse,
 )
-from service.api.streaming import refuse_if_full, respond
 from service.api.tools import tool_plan
 
 router = APIRouter(prefix="/v1", tags=["generation"], dependencies=[Authorized])
@@ -58,7 +59,8 @@ async def create_completion(
     formatter = CompletionFormatter(
         runtime.model_id, plans[0], include_usage=body.include_usage, continuous_usage=body.continuous_usage
     )
-    return await respond(request, state, worker, plans, formatter, stream=body.stream, arrived=arrived)
+    generation = Generation.admit(state, worker, plans, arrived)
+    return await respond(request, generation, formatter, stream=body.stream)
 
 
 @router.post(
@@ -84,4 +86,5 @@ async def create_chat_completion(
         tools=tools,
         continuous_usage=body.continuous_usage,
     )
-    return await respond(request, state, worker, [plan], formatter, stream=body.stream, arrived=arrived)
+    generation = Generation.admit(state, worker, [plan], arrived)
+    return await respond(request, generation, formatter, stream=body.stream)

@@ -3,52 +3,33 @@ or with `background: true` an answer at once and the generation after), and the 
 `GET` / `DELETE /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`.
 
 Planning, tools and structured output are the chat endpoint's (`service/api/responses_api.py` turns the
-request into a chat request); the engine work goes through the same queue, cancellation and deadline as
-chat completions (`service/api/streaming.py`). A background response is one more job on the same engine,
-driven by a task on the event loop that updates its stored record; the client's connection no longer
+request into a chat request); the generation runs through the one driver every API uses
+(`service/api/driver.py`: admission, deadline, cancellation, usage, errors), with the Responses API's
+formatter (`ResponsesFormatter`). A background response is the same generation run to its end by a task on
+the event loop, with its chunks dropped, that updates its stored record; the client's connection no longer
 matters to it, only its deadline and a cancel do.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from service.api.deps import Authorized, ServingRuntime, ServingWorker, State
-from service.api.errors import NOT_CANCELLABLE, SERVER, APIError, bad_request, unsupported
-from service.api.events import DoneEvent, ErrorEvent, Event, GenerationPlan, Job, StepEvent
-from service.api.formatters import ChoiceResult, speculative_stats
+from service.api.driver import Generation, refuse_if_full, respond, run_to_end
+from service.api.errors import NOT_CANCELLABLE, APIError, bad_request, unsupported
 from service.api.openapi import error_responses
 from service.api.plan import plan_chat
 from service.api.response_store import ResponseStore, StoredResponse
 from service.api.responses_api import ChatForm, ResponsesRequest, chat_form, refusal, renamed
-from service.api.responses_output import (
-    InputTokensDetails,
-    ResponseBuilder,
-    ResponseObject,
-    ResponseUsage,
-)
-from service.api.streaming import (
-    SSE_HEADERS,
-    admit,
-    cancel_on_disconnect,
-    collect,
-    next_event,
-    refuse_if_full,
-)
+from service.api.responses_output import ResponseBuilder, ResponseObject, ResponsesFormatter
 from service.api.tools import tool_plan
-from service.api.worker import EngineWorker
-from service.decoding import GenerationStats
 
 router = APIRouter(prefix="/v1", tags=["generation"], dependencies=[Authorized])
-log = logging.getLogger(__name__)
 
 _EVENT = {
     "type": "object",
@@ -94,25 +75,16 @@ async def create_response(
             error.message += "; truncation 'auto' drops nothing on this server: send fewer input items"
         raise renamed(error, form.origins) from None
     builder = ResponseBuilder(body, runtime.model_id, tools)
-    job = admit(state, worker, plan, arrived)
     if body.background:
-        return JSONResponse(_start_in_background(store, worker, job, builder, form).response)
-    try:
-        async with cancel_on_disconnect(request, worker, [job]):
-            if not body.stream:
-                result = (await collect(worker, job)).choices[0]
-                builder.feed(result.text)
-                _finish(builder, plan, result, result.finish_reason, result.stats)
-                _keep(store, body, builder, form)
-                return JSONResponse(builder.response())
-            first = await next_event(worker, job)
-            if isinstance(first, ErrorEvent):
-                raise first.error
-    except BaseException:
-        worker.cancel(job, "request failed")
-        raise
-    stream = _events(worker, job, builder, first, lambda: _keep(store, body, builder, form))
-    return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        generation = Generation.admit(state, worker, [plan], arrived, abandoned="cancelled")
+        return JSONResponse(_start_in_background(store, generation, builder, form).response)
+
+    def keep() -> None:
+        if body.store:
+            store.put(builder.id, StoredResponse(builder.response(), builder.conversation(form.conversation)))
+
+    generation = Generation.admit(state, worker, [plan], arrived)
+    return await respond(request, generation, ResponsesFormatter(builder, plan, keep), stream=body.stream)
 
 
 @router.get(
@@ -164,7 +136,7 @@ async def cancel_response(response_id: str, request: Request) -> Response:
 
 
 def _start_in_background(
-    store: ResponseStore, worker: EngineWorker, job: Job, builder: ResponseBuilder, form: ChatForm
+    store: ResponseStore, generation: Generation, builder: ResponseBuilder, form: ChatForm
 ) -> StoredResponse:
     """Store the response queued and run its generation in a task of the event loop."""
     stored = StoredResponse(builder.response(), background=True)
@@ -172,11 +144,15 @@ def _start_in_background(
     def cancel() -> None:
         builder.stop("cancelled")
         stored.response = builder.response()
-        worker.cancel(job, "cancelled")
+        generation.cancel("cancelled")
+
+    def keep() -> None:
+        stored.conversation = builder.conversation(form.conversation)
 
     stored.cancel = cancel
     store.put(builder.id, stored)
-    stored.task = asyncio.get_running_loop().create_task(_generate(worker, job, builder, form, stored))
+    formatter = ResponsesFormatter(builder, generation.plans[0], keep)
+    stored.task = asyncio.get_running_loop().create_task(_generate(generation, formatter, stored))
     return stored
 
 
@@ -186,117 +162,24 @@ def _cancel(stored: StoredResponse) -> None:
     stored.task.cancel()  # it may be waiting for the engine's answer to the abort: nothing is left to read
 
 
-async def _generate(
-    worker: EngineWorker, job: Job, builder: ResponseBuilder, form: ChatForm, stored: StoredResponse
-) -> None:
-    """Run a background response to its end, keeping its stored record up to date. Every way out leaves
-    the record in a final status: completed or incomplete, failed (timeout, engine failure, shutdown) or
-    cancelled (by POST .../cancel, DELETE, or the server stopping its tasks)."""
-    result = ChoiceResult(index=0)
+async def _generate(generation: Generation, formatter: ResponsesFormatter, stored: StoredResponse) -> None:
+    """Run a background response to its end through the driver, keeping its stored record up to date. Every
+    way out leaves the record in a final status: completed or incomplete, failed (timeout, engine failure,
+    shutdown: the formatter's error) or cancelled (by POST .../cancel, DELETE, or the server stopping its
+    tasks)."""
+    builder = formatter.builder
+
+    def started() -> None:  # its first round ran
+        builder.status = "in_progress"
+        stored.response = builder.response()
+
     try:
-        while True:
-            event = await next_event(worker, job)
-            if isinstance(event, ErrorEvent):
-                raise event.error
-            if builder.status == "queued":  # its first round ran
-                builder.status = "in_progress"
-                stored.response = builder.response()
-            if isinstance(event, StepEvent):
-                result.add_step(event)
-                builder.feed(event.text)
-            elif isinstance(event, DoneEvent):
-                result.finish(event)
-                _finish(builder, job.plan, result, event.finish_reason, event.stats)
-                stored.conversation = builder.conversation(form.conversation)
-                return
-    except APIError as error:
-        worker.cancel(job, "failed")
-        builder.stop("failed", error)
+        await run_to_end(generation, formatter, started)
     except asyncio.CancelledError:
-        worker.cancel(job, "cancelled")
-        if builder.status in ("queued", "in_progress"):  # not cancelled by a client: the server stopped
+        generation.cancel("cancelled")
+        if builder.running:  # not cancelled by a client: the server stopped
             builder.stop("cancelled")
         raise
-    except Exception:
-        log.exception("a background response failed")
-        worker.cancel(job, "failed")
-        builder.stop("failed", _internal_error())
     finally:
         stored.response = builder.response()
         stored.cancel = None
-
-
-def _internal_error() -> APIError:
-    return APIError(
-        500,
-        "the generation failed on the server (details in the server log)",
-        type=SERVER,
-        code="internal_error",
-    )
-
-
-def _finish(
-    builder: ResponseBuilder,
-    plan: GenerationPlan,
-    result: ChoiceResult,
-    finish_reason: str,
-    stats: GenerationStats | None,
-) -> list[dict]:
-    stats = stats or GenerationStats(prompt_tokens=len(plan.prompt_ids))
-    usage = ResponseUsage(
-        input_tokens=stats.prompt_tokens,
-        input_tokens_details=InputTokensDetails(cached_tokens=stats.cached_tokens),
-        output_tokens=stats.completion_tokens,
-        total_tokens=stats.prompt_tokens + stats.completion_tokens,
-    )
-    provenance = result.provenance if plan.return_provenance else None
-    return builder.finish(finish_reason, usage, speculative_stats(plan, stats, provenance))
-
-
-def _keep(store: ResponseStore, body: ResponsesRequest, builder: ResponseBuilder, form: ChatForm) -> None:
-    if body.store:
-        store.put(builder.id, StoredResponse(builder.response(), builder.conversation(form.conversation)))
-
-
-def _sse(event: dict) -> bytes:
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
-
-
-async def _events(
-    worker: EngineWorker, job: Job, builder: ResponseBuilder, first: Event, keep
-) -> AsyncIterator[bytes]:
-    finished = False
-    result = ChoiceResult(index=0)
-    try:
-        for event in builder.start():
-            yield _sse(event)
-        event = first
-        while True:
-            if isinstance(event, StepEvent):
-                result.add_step(event)
-                for out in builder.feed(event.text):
-                    yield _sse(out)
-            elif isinstance(event, DoneEvent):
-                result.finish(event)
-                tail = _finish(builder, job.plan, result, event.finish_reason, event.stats)
-                keep()
-                for out in tail:
-                    yield _sse(out)
-                finished = True
-                return
-            elif isinstance(event, ErrorEvent):
-                raise event.error
-            event = await next_event(worker, job)
-    except APIError as error:
-        finished = True
-        worker.cancel(job, "failed")
-        yield _sse(builder.error_event(error))
-    except Exception:
-        log.exception("a responses stream failed after it began")
-        finished = True
-        worker.cancel(job, "failed")
-        yield _sse(builder.error_event(_internal_error()))
-    finally:
-        if not finished:
-            worker.cancel(job, "client disconnected")
