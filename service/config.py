@@ -65,6 +65,12 @@ class Settings(BaseSettings):
     )
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
+    draft_pool_scope: Literal["tenant", "shared"] = Field(
+        "tenant",
+        description="whose earlier outputs the suffix drafter drafts from (pooled across replicas through "
+        "CSD_REDIS_URL): the API key's own ('tenant': one key's outputs never shape another's drafts, which "
+        "could leak through timing) or every client's ('shared')",
+    )
 
     # ---- Online Correction Memory
     redis_url: SecretStr | None = Field(

@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from ocm_store.base import Namespace, OCMStore
+from ocm_store.draft_pool import RedisDraftPool
 from ocm_store.factory import open_store
+from ocm_store.urls import open_client
 from service.config import Settings
 from service.cost_cache import cost_file, cost_key, load_costs, save_costs
 from service.decoding import (
@@ -31,6 +33,7 @@ from service.decoding import (
 from service.decoding.batch_kv import supports_batching
 from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.drafter_registry import DrafterInputs, build_drafters, drafter_entry
+from service.decoding.drafters.suffix import SuffixDrafter
 from service.decoding.forward_costs import CostMeasurement
 from service.decoding.prefix_cache import PrefixCache, default_max_bytes, prefix_caching_unsupported
 from service.decoding.threads import (
@@ -74,6 +77,8 @@ class Runtime:
     # one more forward of a cost measurement that ran out of its start-up budget; False once it is done.
     # The engine worker calls it while it has nothing else to do (it owns the model's thread).
     refine_costs: Callable[[], bool] | None = None
+    # the suffix drafter's outputs pooled across replicas (ocm_store/draft_pool.py), with a Redis URL
+    draft_pool: RedisDraftPool | None = None
 
     @property
     def model_id(self) -> str:
@@ -145,10 +150,32 @@ class Runtime:
         if settings.adaptive_speculation and settings.num_speculative_tokens > 0:
             policy, refine_costs = _draft_policy(settings, target)
         engine = Engine(target, drafters, memories, policy, prefix_cache=_prefix_cache(settings, target))
-        return cls(settings, target, engine, store, namespaces, draft, refine_costs)
+        draft_pool = _draft_pool(settings, target, drafters.get("suffix"))
+        return cls(settings, target, engine, store, namespaces, draft, refine_costs, draft_pool)
 
     def close(self) -> None:
+        if self.draft_pool is not None:
+            self.draft_pool.close()
         self.store.close()
+
+
+def _draft_pool(settings: Settings, target: LoadedModel, suffix: Drafter | None) -> RedisDraftPool | None:
+    """With a Redis URL, the suffix drafter's finished outputs go to the fleet's stream and the other
+    replicas' come back into its trees (started here: the recent stream is read back in the background)."""
+    if suffix is None or settings.redis_url is None:
+        return None
+    assert isinstance(suffix, SuffixDrafter)
+    client = open_client(
+        settings.redis_url.get_secret_value(),
+        socket_connect_timeout=2,
+        socket_timeout=5,
+        client_name="csd-drafts",
+    )
+    namespace = f"{target.identity}|{vocabulary_hash(target.tokenizer)}"
+    pool = RedisDraftPool(client, namespace, suffix.fold)
+    suffix.pool_sink = pool.start()
+    log.info("suffix drafts pooled across replicas through Redis, per %s", settings.draft_pool_scope)
+    return pool
 
 
 def _prefix_cache(settings: Settings, target: LoadedModel) -> PrefixCache | None:

@@ -10,6 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.api.errors import AUTHENTICATION, APIError
 from service.api.state import ServiceState
+from service.api.tenants import OPEN, set_tenant, tenant_id
 from service.api.worker import EngineWorker
 from service.runtime import Runtime
 
@@ -26,21 +27,29 @@ _bearer = HTTPBearer(
 )
 
 
-def require_api_key(
+async def require_api_key(
     state: State, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:
     """Without configured keys everyone is let in; with them, a Bearer key must match one.
 
     Keys are compared in constant time (hmac.compare_digest) against every configured key, so neither the
-    time nor the position of a match says anything about a key. Keys are never logged.
+    time nor the position of a match says anything about a key. Keys are never logged. The matching key's
+    tenant is recorded for the request (tenants.py: whose earlier outputs may shape its drafts); async, so
+    that it is recorded in the request's own task and not in a worker thread's copy of its context.
     """
     keys = state.settings.api_keys
     if not keys:
+        set_tenant(OPEN)
         return
     given = credentials.credentials.encode() if credentials is not None else b""
     matched = False
+    tenant = ""
     for key in keys:
-        matched |= hmac.compare_digest(given, key.get_secret_value().encode())
+        secret = key.get_secret_value()
+        same = hmac.compare_digest(given, secret.encode())
+        matched |= same
+        candidate = tenant_id(secret)  # computed for every key: the time says nothing of which matched
+        tenant = candidate if same else tenant
     if not matched:
         raise APIError(
             401,
@@ -51,6 +60,7 @@ def require_api_key(
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    set_tenant(tenant)
 
 
 Authorized = Depends(require_api_key)

@@ -29,6 +29,7 @@ from service.api.schemas import (
     SpeculativeOptions,
     Tool,
 )
+from service.api.tenants import draft_pool
 from service.api.tools import ToolPlan, render_messages, template_renders_tools
 from service.config import Settings
 from service.decoding import (
@@ -80,6 +81,7 @@ def speculative_config(
             tau=o.tau if o.tau is not None else settings.tau,
             lossy_threshold=settings.lossy_threshold,
             guard_facts=o.guard_facts if o.guard_facts is not None else settings.guard_facts,
+            draft_pool=draft_pool(settings.draft_pool_scope),
         )
     except DecodingError as exc:
         raise bad_request(str(exc), param="speculative") from None

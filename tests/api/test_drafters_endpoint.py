@@ -44,7 +44,7 @@ def test_the_list_is_the_registry_with_what_this_server_offers(api_server: Serve
     assert all(d["object"] == "drafter" for d in listed)
     by_id = {d["id"]: d for d in listed}
     # the embedded model ships a head; no --draft-model was given
-    assert {name for name, d in by_id.items() if d["available"]} == {"ngram", "head", "combined"}
+    assert {name for name, d in by_id.items() if d["available"]} == {"ngram", "suffix", "head", "combined"}
     assert by_id["model"]["hint"] == "start the server with --draft-model"
     assert all(d["hint"] is None for d in listed if d["available"])
     # `default` is what a request that names no drafter gets
@@ -73,7 +73,7 @@ def test_availability_follows_what_the_server_loaded(headless_server: Server):
     listed = _drafters(headless_server)
     assert [d["id"] for d in listed] == [e.name for e in DRAFTERS]
     by_id = {d["id"]: d for d in listed}
-    assert {name for name, d in by_id.items() if d["available"]} == {"ngram"}
+    assert {name for name, d in by_id.items() if d["available"]} == {"ngram", "suffix"}  # they need nothing
     assert [name for name, d in by_id.items() if d["default"]] == ["ngram"]
     for name in ("head", "combined"):
         error = assert_openai_error(_drafter_used(headless_server, name), 400, param="speculative.drafter")
