@@ -1,10 +1,10 @@
-"""The wire format with plain httpx: SSE framing, usage and speculative fields, auth, metrics, cancellation."""
+"""The wire format with plain httpx: SSE framing, usage and speculative fields, auth, metrics (cancellation on
+every API: test_one_driver.py)."""
 
 from __future__ import annotations
 
 import json
 import re
-import time
 
 import httpx
 import pytest
@@ -339,37 +339,6 @@ def test_metrics_move_during_a_generation(api_server: Server) -> None:
         assert during.value(name, **VANILLA) > before.value(name, **VANILLA), name
     e2e = "vllm:e2e_request_latency_seconds_count"
     assert during.value(e2e, **VANILLA) == before.value(e2e, **VANILLA)  # not finished, yet counted
-
-
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
-def test_client_disconnect_stops_the_generation(api_server: Server, stream: bool) -> None:
-    before = api_server.metrics().value("vllm:generation_tokens_total", **VANILLA)
-    aborted = api_server.metrics().value("vllm:request_success_total", **VANILLA, finished_reason="abort")
-    body = {
-        "model": MODEL,
-        "prompt": COUNTING,
-        "max_tokens": 64,
-        "stream": stream,
-        "speculative": {"method": "vanilla"},
-    }
-    if stream:
-        with api_server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    break  # one token arrived: the generation runs; now hang up
-    else:
-        with api_server.client(timeout=httpx.Timeout(60, read=0.5)) as http, pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/completions", json=body)
-    # Stopped within a round or so: the engine is idle again, long before 64 tokens.
-    assert wait_until(lambda: api_server.metrics().value("vllm:num_requests_running") == 0, timeout=20)
-    generated = api_server.metrics().value("vllm:generation_tokens_total", **VANILLA) - before
-    time.sleep(1.0)
-    assert api_server.metrics().value("vllm:generation_tokens_total", **VANILLA) - before == generated
-    assert generated < 64
-    abort = {**VANILLA, "finished_reason": "abort"}
-    assert wait_until(lambda: api_server.metrics().value("vllm:request_success_total", **abort) > aborted, 10)
-    if stream:
-        assert generated <= 8, "the stream was dropped after its first token"
 
 
 @pytest.mark.parametrize(

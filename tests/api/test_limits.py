@@ -99,15 +99,36 @@ def test_request_timeout_is_504_and_stops_the_work(busy_server: Server) -> None:
     assert wait_until(lambda: busy_server.metrics().value("vllm:num_requests_running") == 0, timeout=10)
 
 
-def test_timeout_after_the_stream_began_is_an_error_event(busy_server: Server) -> None:
+# The same long generation through each API: the one driver ends every stream the same way, in its format.
+STREAMED = {"model": MODEL, "speculative": {"method": "vanilla"}, "stream": True}
+LONG_STREAMS = {
+    "completions": ("/v1/completions", {**LONG, "stream": True}),
+    "chat": ("/v1/chat/completions", {**STREAMED, "messages": [{"role": "user", "content": COUNTING}], "max_tokens": 2000}),
+    "responses": ("/v1/responses", {**STREAMED, "input": COUNTING, "max_output_tokens": 2000}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("api", LONG_STREAMS)
+def test_timeout_after_the_stream_began_is_an_error_event(busy_server: Server, api: str) -> None:
+    path, body = LONG_STREAMS[api]
     with httpx.Client(base_url=busy_server.url, timeout=60) as http:
-        response = http.post("/v1/completions", json={**LONG, "stream": True})
+        response = http.post(path, json=body)
     assert response.status_code == 200
     events = response.content.split(b"\n\n")
-    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
-    last = json.loads(events[-3].removeprefix(b"data: "))
-    assert set(last) == {"error"} and last["error"]["code"] == "timeout"
-    assert json.loads(events[0].removeprefix(b"data: "))["object"] == "text_completion"
+    assert events[-1] == b""
+    if api == "responses":  # OpenAI's typed events: the last is `error`, and no [DONE]
+        assert events[0].startswith(b"event: response.created\n")
+        kind, data = events[-2].split(b"\n")
+        last = json.loads(data.removeprefix(b"data: "))
+        assert kind == b"event: error" and last["type"] == "error" and last["code"] == "timeout", last
+    else:
+        assert events[-2] == b"data: [DONE]"
+        last = json.loads(events[-3].removeprefix(b"data: "))
+        assert set(last) == {"error"} and last["error"]["code"] == "timeout"
+        first = json.loads(events[0].removeprefix(b"data: "))["object"]
+        assert first == ("text_completion" if api == "completions" else "chat.completion.chunk")
+    # the work stopped with the stream
+    assert wait_until(lambda: busy_server.metrics().value("vllm:num_requests_running") == 0, timeout=10)
 
 
 def raw_request(
