@@ -139,8 +139,9 @@ class ChunkFormatter(Formatter):
         self.continuous_usage = include_usage and continuous_usage
 
     def frame(self, chunk: dict, results: Results) -> bytes:
-        """A chunk as its event; with continuous usage, the usage so far on it (unless it has its own)."""
-        if self.continuous_usage and chunk.get("usage") is None:
+        """A chunk as its event; with continuous usage, the usage so far on it (unless it has its own, or is
+        the error that ends a failed stream)."""
+        if self.continuous_usage and chunk.get("usage") is None and "error" not in chunk:
             prompt, generated = len(self.plan.prompt_ids), results.generated
             chunk["usage"] = Usage(
                 prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated

@@ -103,7 +103,11 @@ def test_request_timeout_is_504_and_stops_the_work(busy_server: Server) -> None:
 STREAMED = {"model": MODEL, "speculative": {"method": "vanilla"}, "stream": True}
 LONG_STREAMS = {
     "completions": ("/v1/completions", {**LONG, "stream": True}),
-    "chat": ("/v1/chat/completions", {**STREAMED, "messages": [{"role": "user", "content": COUNTING}], "max_tokens": 2000}),
+    # with the usage so far on every chunk: the error event still carries nothing but the error
+    "chat": ("/v1/chat/completions", {
+        **STREAMED, "messages": [{"role": "user", "content": COUNTING}], "max_tokens": 2000,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }),
     "responses": ("/v1/responses", {**STREAMED, "input": COUNTING, "max_output_tokens": 2000}),
 }  # fmt: skip
 
