@@ -48,6 +48,7 @@ SLOW: dict[str, str] = {
     "tests/api/test_agents_sdk.py": "the OpenAI Agents SDK against a server of its own: 17 s",
     "tests/api/test_head_reload_ocm.py": "a head trained and reloaded into a server of its own: 13 s",
     "tests/api/test_responses_background.py": "background responses, one running out of time: 13 s",
+    "tests/api/test_suffix_fleet.py": "two servers and a redis-server, one stopped under a server: 60-270 s",
     "tests/api/test_tools.py": "tool calling against two servers of its own: 26 s (the parser's tests stay fast)",
     # ---- the benches' end-to-end runs (their arguments and reports stay fast)
     "tests/bench/test_bench_smoke.py": "the main bench end to end: 139 s",
