@@ -9,13 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from service.cli.common import (
-    CLIError,
-    add_model_options,
-    add_speculation_options,
-    build_runtime,
-    settings_from_args,
-)
+from service.cli.common import CLIError, add_engine_options, build_runtime, settings_from_args
 from service.decoding.types import SamplingParams
 
 
@@ -25,8 +19,7 @@ def add_parser(sub) -> None:
     )
     cal.add_argument("--prompts", type=Path, required=True, help="JSON lines or one prompt per line")
     cal.add_argument("--max-tokens", type=int, default=128)
-    add_model_options(cal)
-    add_speculation_options(cal)
+    add_engine_options(cal)
     cal.set_defaults(func=cmd_calibrate)
 
 

@@ -48,7 +48,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_speculation_options(p: argparse.ArgumentParser) -> None:
+def _add_speculation_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--method", choices=[m.value for m in Method])
     g.add_argument(
@@ -61,6 +61,12 @@ def add_speculation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lambda", dest="lambda_", type=float, help="frequency gate: rescue when count > lambda")
     g.add_argument("--ngram-min", type=int)
     g.add_argument("--ngram-max", type=int)
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The flags of a command that runs the engine (generate, calibrate, serve): models, then speculation."""
+    add_model_options(p)
+    _add_speculation_options(p)
 
 
 _SETTING_FLAGS = (

@@ -6,13 +6,7 @@ import argparse
 import json
 import sys
 
-from service.cli.common import (
-    CLIError,
-    add_model_options,
-    add_speculation_options,
-    build_runtime,
-    settings_from_args,
-)
+from service.cli.common import CLIError, add_engine_options, build_runtime, settings_from_args
 from service.decoding.types import SamplingParams
 
 
@@ -27,8 +21,7 @@ def add_parser(sub) -> None:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with tokens and statistics")
-    add_model_options(gen)
-    add_speculation_options(gen)
+    add_engine_options(gen)
     gen.set_defaults(func=cmd_generate)
 
 

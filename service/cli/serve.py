@@ -12,8 +12,7 @@ from typing import get_args
 from service.cli.common import (
     LOG_LEVELS,
     CLIError,
-    add_model_options,
-    add_speculation_options,
+    add_engine_options,
     json_list,
     quiet_libraries,
     settings_from_args,
@@ -92,8 +91,7 @@ def add_parser(sub) -> None:
     cors.add_argument(
         "--allow-credentials", action="store_true", default=None, help="allow cookies and credentials"
     )
-    add_model_options(srv)
-    add_speculation_options(srv)
+    add_engine_options(srv)
     srv.set_defaults(func=cmd_serve)
 
 
