@@ -3,7 +3,7 @@ Responses API, streamed or answered whole, run the same generation the same way,
 differ. Against the shared real server, with plain httpx:
 
 - the same greedy generation reports the same text, finish and usage (prompt, completion and cached tokens)
-  on all six (API, streamed or not) pairs;
+  on all six (API, streamed or not) pairs, and as a background response;
 - a client that goes away stops the generation on all six: the engine is idle again within a round or so
   and counts an abort.
 
@@ -90,6 +90,18 @@ def outcome(api: str, stream: bool, raw: bytes) -> dict:
     }
 
 
+def background(http: httpx.Client, messages: list[dict]) -> bytes:
+    """A background response of the same request, polled until it has finished: its stored response."""
+    path, body = request("responses", messages, [], 8, stream=False)
+    queued = http.post(path, json={**body, "background": True})
+    assert queued.status_code == 200 and queued.json()["status"] == "queued", queued.text
+    deadline = time.monotonic() + 60
+    while (stored := http.get(f"{path}/{queued.json()['id']}")).json()["status"] in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, stored.text
+        time.sleep(0.05)
+    return stored.content
+
+
 def test_every_api_and_mode_reports_the_same_generation_and_usage(api_server: Server) -> None:
     # a system prompt no other test sent, longer than two prefix-cache blocks: the first request fills the
     # cache, every later one is served the same blocks from it
@@ -115,6 +127,7 @@ def test_every_api_and_mode_reports_the_same_generation_and_usage(api_server: Se
                 response = http.post(path, json=body)
                 assert response.status_code == 200, (api, stream, response.text)
                 seen[api, stream] = outcome(api, stream, response.content)
+        seen["responses", "background"] = outcome("responses", False, background(http, messages))
     first = seen["chat", False]
     assert first["usage"][0] == len(prompt_ids) and first["usage"][1] >= 1 and first["text"]
     assert first["usage"][2] >= 32, "the warmed prompt's full blocks come from the prefix cache"
