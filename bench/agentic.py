@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import shutil
 import sys
 import tempfile
@@ -45,6 +46,7 @@ class Tally:
     decode_seconds: float = 0.0
     outputs: list[list[int]] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list)
+    turns: list[tuple[int, str]] = field(default_factory=list)  # (conversation, family) of each turn
 
     def add(self, tokens: list[int], forwards: int, seconds: float, decode_seconds: float) -> None:
         self.tokens += len(tokens)
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def serve(eng: Engine, drafter: str, method: Method, conversations, label: str) -> Tally:
         tally, families = Tally(), per_family.setdefault(label, {})
-        for conv in conversations:
+        for index, conv in enumerate(conversations):
             messages = [{"role": "system", "content": conv.system}] if conv.system else []
             for turn, max_tokens in zip(conv.turns, conv.max_tokens, strict=True):
                 messages.append({"role": "user", "content": turn})
@@ -147,15 +149,17 @@ def main(argv: list[str] | None = None) -> int:
                 messages.append({"role": "assistant", "content": text})
                 tally.add(tokens, forwards, seconds, decode)
                 tally.prompts.append(ids)
+                tally.turns.append((index, conv.family))
                 families.setdefault(conv.family, Tally()).add(tokens, forwards, seconds, decode)
         print(f"{label}: {tally.as_dict()}", file=sys.stderr, flush=True)
         return tally
 
     for column in args.columns:
         if column == "suffix-pooled":
-            tally = _pooled(target, engine, serve, measured, earlier, notes)
-            if tally is None:
+            pooled = _pooled(target, engine, serve, measured, earlier, notes)
+            if pooled is None:
                 continue
+            tally, tallies["replica-a-earlier"] = pooled
         else:
             eng, drafter = column_engine(column)
             method = Method.VANILLA if column == "vanilla" else Method.SD
@@ -166,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     vanilla = tallies["vanilla"]
     mismatches = {}
     for column, tally in tallies.items():
+        if column == "replica-a-earlier":  # other conversations: nothing to compare with
+            continue
         bad = [i for i, (a, b) in enumerate(zip(tally.outputs, vanilla.outputs, strict=True)) if a != b]
         mismatches[column] = bad
         results[column]["turns_differing_from_vanilla"] = len(bad)
@@ -193,9 +199,23 @@ def main(argv: list[str] | None = None) -> int:
         "columns": results,
         "families": {c: {f: t.as_dict() for f, t in fams.items()} for c, fams in per_family.items()},
         "mismatched_turns": mismatches,
+        "replica_a_earlier": tallies["replica-a-earlier"].as_dict()
+        if "replica-a-earlier" in tallies
+        else None,
         "notes": notes,
     }
-    write_run("agentic", args.out, result, report, started)
+    out = write_run("agentic", args.out, result, report, started)
+    # every turn's prompt and answer (vanilla's; replica A's for the earlier traffic): what
+    # `python -m bench.agentic_replay` replays drafters on without the model
+    turns = {
+        name: [
+            {"conversation": c, "family": f, "prompt": p, "output": o}
+            for (c, f), p, o in zip(t.turns, t.prompts, t.outputs, strict=True)
+        ]
+        for name, t in (("measured", vanilla), ("earlier", tallies.get("replica-a-earlier")))
+        if t is not None
+    }
+    (out / "agentic-turns.json").write_text(json.dumps(turns) + "\n", encoding="utf-8")
     return 0
 
 
@@ -240,7 +260,7 @@ def _pooled(target, engine, serve, measured, earlier, notes: list[str]):
             return drafter, pool
 
         drafter_a, pool_a = replica()
-        serve(engine("suffix", drafter_a), "suffix", Method.SD, earlier, "replica-a-earlier")
+        earlier_tally = serve(engine("suffix", drafter_a), "suffix", Method.SD, earlier, "replica-a-earlier")
         deadline = time.monotonic() + 30
         while (
             pool_a.published + pool_a.dropped < drafter_a.global_trees.outputs("bench")
@@ -255,7 +275,7 @@ def _pooled(target, engine, serve, measured, earlier, notes: list[str]):
         )
         tally = serve(engine("suffix", drafter_b), "suffix", Method.SD, measured, "suffix-pooled")
         pool_b.close()
-    return tally
+    return tally, earlier_tally
 
 
 def _ratio(a: float, b: float) -> float:

@@ -141,7 +141,7 @@ def row(sequence: object, committed: list[int], k: int, pool: str | None) -> Dra
 
 
 def test_outputs_shape_drafts_of_their_own_pool_only():
-    drafter = SuffixDrafter()
+    drafter = SuffixDrafter(max_spec_factor=1.0)
     prompt, output = [5, 6, 7], list(range(200, 240))
     rows = drafter.rows()
     seq = object()
@@ -159,7 +159,7 @@ def test_outputs_shape_drafts_of_their_own_pool_only():
 
 
 def test_the_request_tree_drafts_from_the_prompt_and_the_output_so_far():
-    rows = SuffixDrafter().rows()
+    rows = SuffixDrafter(max_spec_factor=1.0).rows()
     seq = object()
     text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
     draft = rows.propose([row(seq, text, 6, None)])[0]
@@ -200,3 +200,16 @@ def test_strict_sd_with_the_suffix_drafter_is_vanilla_token_for_token(embedded, 
     assert drafter.global_trees.outputs("p") == 2 * len(PROMPTS)
     # the second pass repeats outputs the pool holds: strictly more accepted tokens in fewer forwards
     assert kept[1] > kept[0] and forwards[1] < forwards[0]
+
+
+def test_an_answer_enters_the_pool_behind_its_prompts_last_tokens():
+    """`prompt_tail`: an answer's first tokens match an earlier answer's after the same prompt ending (the chat
+    template's assistant header), before the new answer has written anything."""
+    header = [90, 91, 92]
+    for tail, expected in ((0, []), (3, [300, 301, 302])):
+        drafter = SuffixDrafter(max_spec_factor=1.0, prompt_tail=tail)
+        rows, seq = drafter.rows(), object()
+        rows.propose([row(seq, [7, 8, *header], 8, "p")])
+        rows.propose([row(seq, [7, 8, *header, 300, 301, 302, 303], 8, "p")])
+        rows.leave(seq)
+        assert rows.propose([row(object(), [5, *header], 8, "p")])[0].tokens == expected

@@ -19,7 +19,9 @@ OUTPUT = list(range(300, 340))
 
 def replica(url: str, **kwargs) -> tuple[SuffixDrafter, RedisDraftPool]:
     """A replica's suffix drafter with its pool attached, as the runtime wires them."""
-    drafter = SuffixDrafter()
+    drafter = SuffixDrafter(
+        max_spec_factor=1.0, prompt_tail=0
+    )  # a draft as long as its match, of outputs only
     client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=3)
     pool = RedisDraftPool(client, NAMESPACE, drafter.fold, block_ms=100, **kwargs)
     drafter.pool_sink = pool.start()
