@@ -67,6 +67,14 @@ def _combined(inputs: DrafterInputs) -> Drafter | None:
     return None if inputs.head is None else CombinedDrafter(inputs.built["ngram"], inputs.head)
 
 
+def _combined_suffix(inputs: DrafterInputs) -> Drafter | None:
+    from service.decoding.drafters.combined import CombinedDrafter
+
+    if inputs.head is None:
+        return None
+    return CombinedDrafter(inputs.built["suffix"], inputs.head, name="combined-suffix")
+
+
 _NO_HEAD = "the server has no draft head for its model: --draft-head FOLDER"
 
 # In build order: an entry may use the drafters built above it.
@@ -77,6 +85,13 @@ DRAFTERS: tuple[DrafterEntry, ...] = (
     DrafterEntry("head", "the trained draft head", "draft_head", _NO_HEAD, _head),
     DrafterEntry(
         "combined", "prompt lookup where it matches, else the head", "draft_head", _NO_HEAD, _combined
+    ),
+    DrafterEntry(
+        "combined-suffix",
+        "the suffix drafter where it matches, else the head",
+        "draft_head",
+        _NO_HEAD,
+        _combined_suffix,
     ),
 )
 DRAFTER_NAMES: tuple[str, ...] = tuple(entry.name for entry in DRAFTERS)

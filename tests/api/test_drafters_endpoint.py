@@ -44,7 +44,13 @@ def test_the_list_is_the_registry_with_what_this_server_offers(api_server: Serve
     assert all(d["object"] == "drafter" for d in listed)
     by_id = {d["id"]: d for d in listed}
     # the embedded model ships a head; no --draft-model was given
-    assert {name for name, d in by_id.items() if d["available"]} == {"ngram", "suffix", "head", "combined"}
+    assert {name for name, d in by_id.items() if d["available"]} == {
+        "ngram",
+        "suffix",
+        "head",
+        "combined",
+        "combined-suffix",
+    }
     assert by_id["model"]["hint"] == "start the server with --draft-model"
     assert all(d["hint"] is None for d in listed if d["available"])
     # `default` is what a request that names no drafter gets

@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from service.decoding import Engine, Method, SamplingParams, SpeculativeConfig
+from service.decoding import CombinedDrafter, Engine, HeadDrafter, Method, SamplingParams, SpeculativeConfig
+from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.drafters import DraftRow
 from service.decoding.drafters.suffix import (
     GLOBAL_KEY_OFFSET,
@@ -178,11 +179,17 @@ PROMPTS = [
 ]
 
 
-def test_strict_sd_with_the_suffix_drafter_is_vanilla_token_for_token(embedded, single_thread):
+@pytest.mark.parametrize("name", ["suffix", "combined-suffix"])
+def test_strict_sd_with_the_suffix_drafter_is_vanilla_token_for_token(embedded, single_thread, name):
     """Twice over each prompt in one pool, so the second pass drafts from the first pass's outputs (the
-    global tree) as well as its own text: output identical to vanilla, and the pool made drafts longer."""
+    global tree) as well as its own text: output identical to vanilla, and the pool made drafts longer. Also
+    inside `combined-suffix` (the head where the suffix drafter matches fewer than 3 tokens)."""
     drafter = SuffixDrafter()
-    engine = Engine(embedded, {"suffix": drafter})
+    if name == "suffix":
+        engine = Engine(embedded, {"suffix": drafter})
+    else:
+        head = HeadDrafter(embedded, EMBEDDED_HEAD_DIR)
+        engine = Engine(embedded, {name: CombinedDrafter(drafter, head, name=name)})
     tok = embedded.tokenizer
     sampling = SamplingParams(temperature=0.0, max_tokens=48)
     vanilla = SpeculativeConfig(method=Method.VANILLA)
@@ -193,7 +200,7 @@ def test_strict_sd_with_the_suffix_drafter_is_vanilla_token_for_token(embedded, 
         for prompt in PROMPTS:
             ids = encode_chat(tok, [{"role": "user", "content": prompt}])
             plain = run_to_end(engine.generate(ids, sampling, vanilla))
-            spec = run_to_end(engine.generate(ids, sampling, sd, drafter="suffix"))
+            spec = run_to_end(engine.generate(ids, sampling, sd, drafter=name))
             assert [t.token_id for t in spec.tokens] == [t.token_id for t in plain.tokens], prompt
             kept[pass_] += spec.stats.num_accepted
             forwards[pass_] += spec.stats.target_forwards

@@ -63,6 +63,11 @@ class NgramDrafter:
     def rows(self) -> NgramRows:
         return NgramRows(self.min_n, self.max_n)
 
+    @staticmethod
+    def match_length(draft: Draft) -> int:
+        """How many tokens of the sequence's suffix matched behind `draft` (its key)."""
+        return draft.key
+
 
 class NgramRows:
     """The n-gram indexes of a batch's sequences; proposing simply loops over the rows."""

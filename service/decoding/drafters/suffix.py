@@ -278,6 +278,11 @@ class SuffixDrafter:
     def rows(self) -> SuffixRows:
         return SuffixRows(self)
 
+    @staticmethod
+    def match_length(draft: Draft) -> int:
+        """How many tokens of the sequence's suffix matched behind `draft` (read off its key, either trie)."""
+        return draft.key % GLOBAL_KEY_OFFSET
+
     def finished(self, pool: str, output: Sequence[int]) -> None:
         """A request's output: into this replica's tree of its pool, and to the other replicas."""
         if not output:
