@@ -220,3 +220,36 @@ def test_an_answer_enters_the_pool_behind_its_prompts_last_tokens():
         rows.propose([row(seq, [7, 8, *header, 300, 301, 302, 303], 8, "p")])
         rows.leave(seq)
         assert rows.propose([row(object(), [5, *header], 8, "p")])[0].tokens == expected
+
+
+def test_suffix_rows_batch_together_stay_lossless_and_pool_what_they_finish(embedded, single_thread):
+    """Three rows of one pool in one batch, joining at different steps (suffix, combined-suffix): strict SD
+    equals each prompt's vanilla output; every finished row's answer is in the pool afterwards, and csd with
+    the suffix drafter runs on the same engine (its OCM namespace is the drafter's)."""
+    from ocm_store import InMemoryStore, Namespace
+    from service.decoding.batch import Batch
+    from tests.decoding.test_batch import run_batch
+    from tests.decoding.test_lossless import assert_same_tokens
+
+    suffix = SuffixDrafter()
+    head = HeadDrafter(embedded, EMBEDDED_HEAD_DIR)
+    drafters = {"suffix": suffix, "combined-suffix": CombinedDrafter(suffix, head, name="combined-suffix")}
+    store = InMemoryStore()
+    memories = {n: store.memory(Namespace("t", n, "v")) for n in drafters}
+    engine = Engine(embedded, drafters, memories)
+    tok, sampling = embedded.tokenizer, SamplingParams(temperature=0.0, max_tokens=32)
+    ids = [encode_chat(tok, [{"role": "user", "content": p}]) for p in PROMPTS]
+    plain = [run_to_end(engine.generate(i, sampling, SpeculativeConfig(method=Method.VANILLA))) for i in ids]
+    sd = SpeculativeConfig(method=Method.SD, num_speculative_tokens=16, draft_pool="p")
+    picks = ["suffix", "combined-suffix", "suffix"]
+    gens = [engine.generate(i, sampling, sd, drafter=d) for i, d in zip(ids, picks, strict=True)]
+    run_batch(Batch(embedded, max_batch_size=3, max_batched_tokens=96), {0: gens[:2], 3: gens[2:]})
+    for prompt_ids, g, p in zip(ids, gens, plain, strict=True):
+        assert_same_tokens(
+            embedded, prompt_ids, [t.token_id for t in g.tokens], [t.token_id for t in p.tokens]
+        )
+        assert g.stats.num_draft_tokens > 0
+    assert suffix.global_trees.outputs("p") == len(PROMPTS)
+    csd = SpeculativeConfig(method=Method.CSD, num_speculative_tokens=16, draft_pool="p")
+    again = run_to_end(engine.generate(ids[0], sampling, csd, drafter="suffix"))
+    assert again.finish_reason is not None and again.stats.num_accepted > 0
