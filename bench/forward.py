@@ -75,8 +75,18 @@ MATMUL_OPS = {
     *("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm"),
     *("aten::_to_dense", "aten::to_dense", "aten::to_mkldnn"),
 }
-# the 8-bit LM head's C++ kernel is no aten operator: its profiler span (q8_head.PROFILE_SCOPE) stands for it
-MATMUL_MARKERS = ("mkldnn", "_weight_int", "onednn", "q8_linear")
+# the project's C++ kernels are no aten operators: their profiler spans stand for them. The fused layers'
+# halves (`fused_layers.PROFILE_SCOPES`) count as matmul: their norms, RoPE and SiLU run inside them
+MATMUL_MARKERS = (
+    "mkldnn",
+    "_weight_int",
+    "onednn",
+    "q8_linear",
+    "int4_linear",
+    "csd::norm_qkv_rope",
+    "csd::output_mlp",
+)
+FUSED_ATTENTION = "csd::attention"  # the fused layers' C++ attention
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,7 @@ FORMATS = {
             "int4-fp32",
             "float32",
             True,
-            "4-bit weights in groups of 32, fp32 body: row-aligned attention (8 queries a matmul), LM head from the GGUF's 8-bit blocks",
+            "4-bit weights in groups of 32, fp32 body: the fused C++ layers (`fused_layers`) where the kernel builds, LM head from the GGUF's 8-bit blocks",
             weights="int4",
         ),
         Format("hf-fp32", "float32", False, "stock transformers: nn.Linear, SDPA (reference)"),
@@ -277,7 +287,7 @@ def profiler_scopes(model: torch.nn.Module) -> Iterator[None]:
 
 
 def category(name: str, in_attention: bool) -> str:
-    if in_attention:
+    if in_attention or name == FUSED_ATTENTION:
         return "attention"
     if name in MATMUL_OPS or any(marker in name for marker in MATMUL_MARKERS):
         return "matmul"
@@ -388,6 +398,7 @@ def measure_format(
         "engine": fmt.engine,
         "dtype": str(target.model.dtype).removeprefix("torch."),
         "attention": target.model.config._attn_implementation,
+        "executor": target.executor,
         "weight_bytes": weights["total"],
         "head_bytes": weights["head"],
         "rows": out_rows,

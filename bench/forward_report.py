@@ -46,7 +46,7 @@ def format_summary(fmt: dict) -> str:
     assert first is not None
     shares = ", ".join(f"{p} {first[f'{p}_seconds'] / first['seconds']:.0%}" for p in PARTS)
     return (
-        f"`{fmt['format']}` ({fmt['what']}; {fmt['dtype']}, attention `{fmt['attention']}`): "
+        f"`{fmt['format']}` ({fmt['what']}; {fmt['dtype']}, attention `{fmt['attention']}`, executor `{fmt.get('executor', 'eager')}`): "
         f"{fmt['weight_bytes'] / 1e6:.0f} MB of weights a forward (LM head {fmt['head_bytes'] / 1e6:.0f} MB), "
         f"bound {_ms(fmt['bound_seconds'])} ms; {first['rows']} row: width {first['width']} "
         f"{_ms(first['seconds'])} ms ({first['seconds'] / fmt['bound_seconds']:.1f}x the bound; {shares}), "

@@ -2,7 +2,7 @@
 nothing (issue 13, finding 9).
 
 The key holds everything a forward's cost depends on: the model's content identity and dtype, the device,
-torch's version and threads, whether CPU weights are packed, the CPU, and the shapes measured. A table that
+torch's version and threads, the executor (fused layers or eager), whether CPU weights are packed, the CPU, and the shapes measured. A table that
 was measured under another key is never used; a file that cannot be read or fails the sanity checks is
 measured again, never trusted.
 """
@@ -44,6 +44,7 @@ def cost_key(target: LoadedModel, max_tokens: int, max_rows: int, pack_cpu_weigh
         "model": target.identity,
         "dtype": str(target.model.dtype),
         "weights": target.weights,
+        "executor": target.executor,
         "device": device.type,
         "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "cpu": cpu_name(),

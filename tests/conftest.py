@@ -40,10 +40,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     reporter.write_line(
         f"cpu flags: {simd_summary()}; --dtype auto serves {dtype}; the embedded model's weights: {weights}"
     )
-    # the 8-bit LM head's kernel is compiled on first use (25-50 s once a machine): here, before any test
-    # starts a server whose readiness wait would otherwise pay for it
+    # the project's C++ kernels are compiled on first use (25-50 s each, once a machine): here, before any
+    # test starts a server whose readiness wait would otherwise pay for them
     import time
 
+    from service.decoding import native
     from service.decoding.q8_head import q8_kernel
 
     started = time.monotonic()
@@ -52,6 +53,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         f"8-bit LM head kernel: {'ready' if built else 'unavailable (the LM head stays fp32)'} "
         f"in {time.monotonic() - started:.1f} s"
     )
+    started = time.monotonic()
+    int4 = native.build("int4_linear")
+    state = f"ready ({int4.isa()})" if int4 is not None else "unavailable (torch's int4 kernel, eager layers)"
+    reporter.write_line(f"4-bit layer kernel: {state} in {time.monotonic() - started:.1f} s")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark

@@ -57,6 +57,12 @@ by block (Intel Xeon, one thread, the embedded model): a 200- or 600-token prefi
 16-row x 7-token verification 1.28x; a 1,500-token prefill got faster (4.85 vs 6.63 s: 32-query blocks keep
 eager attention's score matrices small). Prefill is eager anyway (SDPA bf16 took 2.3 s for those 1,500
 tokens): the price of the guarantee.
+
+**The fused layers** of a 4-bit model in an fp32 body (`fused_layers`, where the project's C++ kernel builds)
+keep the same guarantee without any of this: their norms, RoPE, 4-bit matmuls and SiLU work row by row, and
+their attention reads each query's visible keys one by one, in order, so a row's bits cannot depend on the
+batch, its padding or the holes rejected drafts leave. Such a model still gets row-aligned attention here: it
+is what runs wherever a layer falls back to transformers' own forward.
 """
 
 from __future__ import annotations

@@ -1,43 +1,49 @@
 """4-bit weights on the CPU: the linear layers of a 4-bit GGUF executed from 4-bit blocks, never widened.
 
 A one-token forward of the embedded model is memory-bound: in fp32 it reads 539 MB of weights per token, where
-llama.cpp reads the GGUF's own Q4_1 blocks (76 MB). `Int4Linear` keeps each linear layer as torch's CPU int4
-weight-only layout (`_convert_weight_to_int4pack_for_cpu`, groups of 32 along the input features) and multiplies
-with `_weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + zero per group, q in 0..15.
+llama.cpp reads the GGUF's own Q4_1 blocks (76 MB). `Int4Linear` keeps each linear layer in 4-bit groups of 32
+along the input features, w = d * q + m with q in 0..15.
 
 Q4_1 is exactly that shape: a block of 32 weights is d * q + m with q in 0..15, and llama.cpp's quantiser sets
 m = the block's minimum and d = (max - min) / 15, so every block holds a q = 0 and a q = 15. Re-quantising the
-dequantised weights by each group's min and max therefore finds the file's own q again (`quantize_int4`), with
-scale = d and zero = m + 8 d. Other sources (Q4_0, an fp16 checkpoint) quantise the same way: lossy, which is
-why `load_model` asks for it only where the file is 4-bit already (`gguf_is_4bit`) or the user says so.
+dequantised weights by each group's min and max therefore finds the file's own q again (`quantize_int4`).
+Other sources (Q4_0, an fp16 checkpoint) quantise the same way: lossy, which is why `load_model` asks for it
+only where the file is 4-bit already (`gguf_is_4bit`) or the user says so.
 
-torch's int4 CPU kernel is vectorised for bf16 activations only (fp32 ones take a scalar loop ~15x slower), and
-its scales and zeros are bf16: so an `Int4Linear` multiplies in bf16 and returns its input's dtype. The rest of
-the model (the body) runs in the dtype `--dtype auto` picks for the CPU:
-- bf16 where the CPU multiplies bf16 natively, made batch-invariant like any bf16 CPU model
-  (`batch_invariant`): the int4 kernel gives a row the same bits for any row count (tested), attention is
-  row-aligned and the final norm runs in fp32;
-- fp32 elsewhere (AVX2-only CPUs), where bf16 attention, norms and casts are emulated: there the fp32 body
-  (row-aligned attention) is faster than the bf16 one: a forward of the
-  embedded model 49.1 vs 54.3 ms at width 1, 87.3 vs 105.8 at width 8, 8 rows x 8 tokens 519 vs 687 ms
-  (`python -m bench.forward`, AMD EPYC with AVX2 only, 1 thread, a busy host); batch-invariant too
-  (`batch_invariant`), its logits differing across batch shapes by the head's fp32 rounding only.
-In either body the LM head reads the GGUF's own 8-bit blocks where the file holds them (`q8_head`), fp32
-logits; elsewhere a packed fp32 head. Either way strict speculative decoding stays plain decoding of the same
-weights (tested).
+Two kernels multiply them:
+- **the project's** (`kernels/int4_linear.cpp`, compiled on first use for the CPU: `native`), where the input
+  features are a multiple of 64: the activations are quantised to 8 bits per group of 32 inside it, as llama.cpp
+  multiplies a Q4_1 weight (its Q8_1), and each row's products are exact integer dot products (AVX512-VNNI, or
+  AVX512BW / AVX2 byte multiplies), a weight block unpacked once for up to 8 rows. The rounding of the
+  activations meets q - 8, centred, not q: ~0.6 % of a product's norm on random data (bf16 rounding ~0.3 %).
+  fp32 scales and minimums, fp32 or bf16 activations, a row's bits the same for any row and thread count.
+  It also computes whole decoder layers around it (`fused_layers`), which is where most of its speed comes
+  from: a one-token forward of the embedded model 2-2.5x faster than the eager layers on either kernel;
+- **torch's** (`_weight_int4pack_mm_for_cpu`, groups of 32, bf16 scales and zeros) elsewhere: vectorised for
+  bf16 activations only (fp32 ones take a scalar loop ~15x slower), so the layer rounds its input to bf16.
+
+The rest of the model (the body) runs in fp32 where the project's kernel builds (the fused layers), else in the
+dtype `--dtype auto` picks for the CPU: bf16 where the CPU multiplies bf16 natively, made batch-invariant like
+any bf16 CPU model (`batch_invariant`), fp32 elsewhere (row-aligned attention). In every body the LM head reads
+the GGUF's own 8-bit blocks where the file holds them (`q8_head`), fp32 logits; elsewhere a packed fp32 head.
+Either way strict speculative decoding stays plain decoding of the same weights (tested).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
+
+from service.decoding import native
 
 log = logging.getLogger(__name__)
 
 GROUP = 32  # weights per (scale, zero): Q4_0/Q4_1's block size
 # the packing's inner tiling: the CPU kernel takes 1 (the CUDA one 2, 4 or 8)
 _INNER_K_TILES = 1
+PROFILE_SCOPE = "csd::int4_linear"  # the kernel's span under torch.profiler (it is no aten operator)
 
 
 def int4_supported() -> bool:
@@ -47,20 +53,27 @@ def int4_supported() -> bool:
     )
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dense weight [N, K] (K a multiple of GROUP) as (q [N, K] int32 in 0..15, scales_and_zeros
-    [K / GROUP, N, 2] fp32): asymmetric per group of GROUP input features, scale = (max - min) / 15 and
-    zero = min + 8 scale, so w ~ (q - 8) * scale + zero."""
+def _groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [N, K / GROUP, GROUP] int32 in 0..15, scale, low [N, K / GROUP]): each group of GROUP input features
+    as low + q * scale, scale = (max - min) / 15."""
     n, k = weight.shape
     blocks = weight.detach().float().reshape(n, k // GROUP, GROUP)
     low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
     scale = (high - low) / 15
-    # a constant group (all weights equal) has no spread: any scale, q = 0 and zero = its value - 8 scale
+    # a constant group (all weights equal) has no spread: any scale, q = 0 and its value as the minimum
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = ((blocks - low[..., None]) / safe[..., None]).round().clamp_(0, 15).to(torch.int32)
+    return q, scale, low
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight [N, K] (K a multiple of GROUP) as (q [N, K] int32 in 0..15, scales_and_zeros
+    [K / GROUP, N, 2] fp32): asymmetric per group of GROUP input features, scale = (max - min) / 15 and
+    zero = min + 8 scale, so w ~ (q - 8) * scale + zero (torch's int4 layout)."""
+    q, scale, low = _groups(weight)
     zero = low + 8 * scale
     scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-    return q.reshape(n, k), scales_and_zeros
+    return q.reshape(weight.shape), scales_and_zeros
 
 
 def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
@@ -71,30 +84,83 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Te
     return (q.float() - 8) * scale + zero
 
 
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] (0..15, K a multiple of 64) in `kernels/int4_linear.cpp`'s layout, [N, K / 2] uint8: per row,
+    groups of 128 weights as 64 bytes (byte j: weight j in the low nibble, 64 + j in the high one), then where
+    K is an odd multiple of 64 a chunk of 64 as 32 bytes (byte j: weights j and 32 + j)."""
+    n, k = q.shape
+    full = k // 128 * 128
+    grouped = q[:, :full].reshape(n, k // 128, 2, 64).to(torch.uint8)
+    parts = [(grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(n, full // 2)]
+    if k > full:
+        tail = q[:, full:].reshape(n, 2, 32).to(torch.uint8)
+        parts.append(tail[:, 0] | (tail[:, 1] << 4))
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def int4_kernel() -> Callable[..., torch.Tensor] | None:
+    """`int4_linear(x [R, K] fp32 or bf16, packed [N, K / 2] uint8, scale [N, K / 64 * 2] fp32, low) -> [R, N]`
+    in x's dtype (`kernels/int4_linear.cpp`), or None where it cannot be built."""
+    module = native.build("int4_linear")
+    return None if module is None else module.int4_linear
+
+
 class Int4Linear(torch.nn.Module):
-    """An `nn.Linear` with 4-bit grouped weights: multiplies in bf16 and returns its input's dtype (bf16 or
-    fp32), any leading shape. Buffers, not parameters: nothing trains them, and a saved model never holds them
-    (they are derived at load)."""
+    """An `nn.Linear` with 4-bit grouped weights (any leading shape; returns its input's dtype, bf16 or fp32).
+    Buffers, not parameters: nothing trains them, and a saved model never holds them (derived at load).
+
+    With the project's kernel (`kernels/int4_linear.cpp`, built on first use; K a multiple of 64) the
+    activations are quantised to 8 bits per group of 32 inside it, as llama.cpp multiplies a Q4_1 weight;
+    otherwise torch's int4 kernel runs, on the activations rounded to bf16."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        q, scales_and_zeros = quantize_int4(linear.weight)
-        self.register_buffer(
-            "packed_weight",
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES),
-            persistent=False,
-        )
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16), persistent=False)
+        q, scale, low = _groups(linear.weight)
+        q = q.reshape(linear.weight.shape)
+        self._kernel = int4_kernel() if self.in_features % 64 == 0 else None
+        if self._kernel is not None:
+            self.register_buffer("packed_weight", pack_int4(q), persistent=False)
+            # fp32 scales and minimums held as their bits (int32), so casting the body to bf16 (`model.to`)
+            # leaves them as they are; `scale` and `low` read them as fp32
+            self.register_buffer("scale_bits", scale.contiguous().view(torch.int32), persistent=False)
+            self.register_buffer("low_bits", low.contiguous().view(torch.int32), persistent=False)
+        else:
+            self.register_buffer(
+                "packed_weight",
+                torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES),
+                persistent=False,
+            )
+            scales_and_zeros = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1).contiguous()
+            self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16), persistent=False)
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
+    @property
+    def scale(self) -> torch.Tensor:
+        """The groups' scales d [N, K / GROUP], fp32 (the project's kernel only)."""
+        return self.scale_bits.view(torch.float32)
+
+    @property
+    def low(self) -> torch.Tensor:
+        """The groups' minimums m [N, K / GROUP], fp32 (the project's kernel only)."""
+        return self.low_bits.view(torch.float32)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed_weight, GROUP, self.scales_and_zeros)
-        y = y.to(x.dtype)
+        if self._kernel is not None:
+            rows = x.reshape(-1, shape[-1]).contiguous()
+            if torch.autograd.profiler._is_profiler_enabled:  # a span costs as much as a one-row call
+                with torch.profiler.record_function(PROFILE_SCOPE):
+                    y = self._kernel(rows, self.packed_weight, self.scale, self.low)
+            else:
+                y = self._kernel(rows, self.packed_weight, self.scale, self.low)
+        else:
+            rows = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, self.packed_weight, GROUP, self.scales_and_zeros
+            ).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)

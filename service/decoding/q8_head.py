@@ -17,68 +17,39 @@ and alone differ by fp32 rounding (~1e-6), as the logits of any fp32 model do ac
 hidden states they are computed from keep their bits (`batch_invariant`). Within the 8-bit kernel a row gets
 the same bits for any row count and thread count (every output is computed by the same instructions).
 
-The kernel is compiled on first use, for this CPU (`-march=native`), into the model cache (keyed by its
-source and its path, flags, torch version and the CPU's flags, so a cache shared by machines of several kinds holds one
-build each): about 30-50 s once, a few ms after. Without a C++ compiler and ninja (or if the build fails) the
+The kernel is compiled on first use, for this CPU, into the model cache (`native`): about 30-50 s once, a few
+ms after. Without a C++ compiler and ninja (or if the build fails) the
 head stays the packed fp32 one, with a warning: the same logits to fp32 rounding, slower.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from service.decoding.cpu_kernels import PackedLinear, cpu_flags
-from service.decoding.paths import default_cache_dir
+from service.decoding import native
+from service.decoding.cpu_kernels import PackedLinear
 
 log = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per scale: GGUF's Q8_0 block
 # rows (positions) up to which a call runs the 8-bit kernel; wider calls run the packed fp32 copy
 Q8_MAX_ROWS = 4
-_SOURCE = Path(__file__).with_name("kernels") / "q8_linear.cpp"
-# -ffp-contract=off: no tile size of the kernel fuses a multiply and an add where another does not, so a row's
-# bits do not depend on the rows beside it
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off")
 PROFILE_SCOPE = "csd::q8_linear"  # the kernel's span under torch.profiler (it is no aten operator)
 
 
 @functools.cache
 def q8_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """`q8_linear(x [N, K] fp32, q [V, K] int8, scales [V, K / 32] fp32) -> [N, V] fp32`, built once per
-    machine kind into the model cache; None where it cannot be built (logged)."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        key = hashlib.sha256(
-            b"\0".join(
-                [
-                    _SOURCE.read_bytes(),
-                    str(_SOURCE).encode(),  # ninja rebuilds when the build's source path changes
-                    " ".join(_FLAGS).encode(),
-                    torch.__version__.encode(),
-                    " ".join(sorted(cpu_flags())).encode(),
-                ]
-            )
-        ).hexdigest()[:16]
-        folder = default_cache_dir() / "kernels" / f"q8_linear-{key}"
-        folder.mkdir(parents=True, exist_ok=True)
-        module = load(
-            name=f"csd_q8_linear_{key}",
-            sources=[str(_SOURCE)],
-            extra_cflags=list(_FLAGS),
-            build_directory=str(folder),
-            verbose=False,
-        )
-        return module.q8_linear
-    except Exception as exc:  # no compiler, no ninja, a read-only cache: the fp32 head serves instead
-        log.warning("the 8-bit LM head kernel could not be built (%s); the LM head stays fp32", exc)
+    machine kind into the model cache (`native`); None where it cannot be built (logged)."""
+    module = native.build("q8_linear")
+    if module is None:
+        log.warning("without the 8-bit kernel the LM head stays fp32")
         return None
+    return module.q8_linear
 
 
 def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

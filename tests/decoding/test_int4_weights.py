@@ -25,6 +25,7 @@ from service.decoding.int4_weights import (
     Int4Projection,
     dequantize_int4,
     gguf_is_4bit,
+    int4_kernel,
     int4_supported,
     quantize_int4,
 )
@@ -111,7 +112,7 @@ def test_fused_projections_give_each_layer_the_bits_it_has_alone(fp32, int4):
             assert torch.equal(parts[0](x), alone[0](x)) and torch.equal(parts[1](y), alone[1](y))
 
 
-def test_auto_loads_the_embedded_4bit_gguf_as_int4_in_the_cpus_own_body_dtype(int4):
+def test_auto_loads_the_embedded_4bit_gguf_as_int4_in_the_fastest_body(int4):
     assert gguf_is_4bit(embedded_gguf_path())
     assert int4.weights == "int4"
     model = int4.model
@@ -119,8 +120,13 @@ def test_auto_loads_the_embedded_4bit_gguf_as_int4_in_the_cpus_own_body_dtype(in
     assert sum(isinstance(m, Int4Projection) for m in model.modules()) == 150
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 120
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
-    # the body as `--dtype auto` picks it: bf16 where the CPU multiplies bf16 natively, fp32 elsewhere
-    assert model.dtype == default_cpu_dtype()
+    # the body as `--dtype auto` picks it: the fused fp32 layers where the project's kernel builds, else bf16
+    # where the CPU multiplies bf16 natively, fp32 elsewhere
+    if int4_kernel() is not None:
+        assert model.dtype == torch.float32
+        assert all(hasattr(layer, "_csd_fused") for layer in model.model.layers)
+    else:
+        assert model.dtype == default_cpu_dtype()
 
 
 def test_a_bf16_body_is_batch_invariant_with_fp32_logits():
@@ -131,25 +137,34 @@ def test_a_bf16_body_is_batch_invariant_with_fp32_logits():
     assert isinstance(model.get_output_embeddings(), Q8Head if q8_kernel() else FP32LogitsHead)
     assert isinstance(model.get_decoder().norm, FP32Norm)
     layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
-    assert layer.scales_and_zeros.dtype == torch.bfloat16  # what the kernel takes
+    # the project's kernel keeps fp32 scales and minimums; torch's takes bf16 ones
+    if layer._kernel is not None:
+        assert layer.scale.dtype == layer.low.dtype == torch.float32
+    else:
+        assert layer.scales_and_zeros.dtype == torch.bfloat16
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert layer(x).dtype == torch.bfloat16
 
 
 def test_an_fp32_body_keeps_fp32_activations_and_is_batch_invariant_too():
-    # its int4 matmuls round their input to bf16, which would grow fp32's last-bit differences into flipped
-    # near-ties: so it gets row-aligned attention as a bf16 body does
+    # its int4 matmuls quantise their input per group (or round it to bf16 for torch's kernel), which would
+    # grow fp32's last-bit differences into flipped near-ties: so its attention reads each row's own keys in
+    # order (the fused layers' C++ attention, else row-aligned attention)
     model = load_model("embedded", dtype="float32", weights="int4").model
     assert model.dtype == torch.float32
     assert model.config._attn_implementation == ATTENTION
     # fp32 rounding only, no bf16 after it
     assert isinstance(model.get_output_embeddings(), Q8Head if q8_kernel() else PackedLinear)
     layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
-    assert layer.scales_and_zeros.dtype == torch.bfloat16  # not widened with the body
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         y = layer(x)
         assert y.dtype == torch.float32
-        # the kernel's bf16 product, returned in the body's dtype
-        assert torch.equal(y, layer(x.to(torch.bfloat16)).float())
+        if layer._kernel is not None:  # fp32 activations read as they are, not rounded to bf16 first
+            assert not torch.equal(y, layer(x.to(torch.bfloat16)).float())
+        else:
+            assert torch.equal(y, layer(x.to(torch.bfloat16)).float())
 
 
 @pytest.mark.parametrize("body", ["bfloat16", "float32"])
@@ -191,7 +206,13 @@ def test_int4_logits_stay_close_to_the_fp32_models(fp32, int4):
         want = fp32.model(input_ids=torch.tensor([ids])).logits[0].float()
         got = int4.model(input_ids=torch.tensor([ids])).logits[0]
     assert got.dtype == torch.float32
-    # the same weights in a bf16 body: the top token agrees at almost every position
+    # the file's own weights, with activations quantised per group (the fused layers) or rounded to bf16:
+    # the top token agrees at almost every position
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
     assert float(agree) >= 0.8, float(agree)
-    assert float((got - want).abs().max()) < 2.0
+    # and the distributions stay close: KL(fp32 || int4) per position (uniform logit shifts, which softmax
+    # ignores, do not count). Measured: mean 0.02 nats, 0.13 at worst, at the third and fourth tokens, whose
+    # hidden states hold the largest outliers (8-bit groups are coarsest there)
+    log_want, log_got = want.log_softmax(-1), got.log_softmax(-1)
+    kl = (log_want.exp() * (log_want - log_got)).sum(-1)
+    assert float(kl.mean()) < 0.05 and float(kl.max()) < 0.3, kl

@@ -1,0 +1,234 @@
+"""A Llama-style decoder layer of a 4-bit model in an fp32 body as two C++ calls around its attention.
+
+Once the matmuls read 4-bit blocks, a one-token forward of the embedded model is mostly not matmul: eager
+execution ran ~8,400 operator calls a forward (norms, RoPE, casts, views, residual adds, SiLU), each a few
+microseconds of dispatch and allocation for a few hundred floats of work, and the host time between them
+(`python -m bench.forward`: matmul a third of the forward). `fuse_decoder_layers` gives each decoder layer a
+forward that runs
+- `norm_qkv_rope`: the input RMSNorm, the fused q/k/v projection and the rotary embedding, in one call;
+- the cache update (transformers' cache, as before), then `attention`: each query over the keys it sees, in
+  their order, in C++ (what `batch_invariant.row_aligned_attention` does with gathers and padding, ~50
+  operator calls a layer);
+- `output_mlp`: the output projection and residual, the post-attention RMSNorm, the fused gate/up
+  projection, SiLU(gate) * up, the down projection and the residual, in one call
+(`kernels/int4_linear.cpp`), with the 4-bit matmuls of `int4_weights` inside: ~1,100 operator calls a
+forward instead of ~8,400. Every step works row by row and a query's attention reads only the keys it sees,
+so a row's bits do not depend on the batch, its padding or the holes rejected drafts leave: strict
+speculative decoding stays plain decoding (tested).
+
+The layer keeps its modules (weights, norms) and is still called as a module, so forward hooks on it (the
+draft head reads layer outputs through them) fire as before. It applies where every layer has the shape it
+computes: RMSNorm before attention and MLP, q/k/v and gate/up fused 4-bit projections without bias, o and down
+4-bit, SiLU, full (not sliding-window) attention without softcapping, an fp32 body; any other model runs
+transformers' own layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass
+
+import torch
+
+from service.decoding import native
+from service.decoding.int4_weights import Int4Linear, Int4Projection
+
+log = logging.getLogger(__name__)
+
+# the calls' spans under torch.profiler (they are no aten operators): the halves' matmuls with their norms,
+# RoPE and SiLU, and the attention
+PROFILE_SCOPES = ("csd::norm_qkv_rope", "csd::attention", "csd::output_mlp")
+
+
+@dataclass
+class _LayerWeights:
+    """What the two calls read, gathered once at load."""
+
+    qkv: Int4Linear
+    o: Int4Linear
+    gate_up: Int4Linear
+    down: Int4Linear
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    heads: int
+    kv_heads: int
+
+
+def _kernel_linear(module: object, parts: tuple[int, ...] | None = None) -> Int4Linear | None:
+    """The `Int4Linear` behind a layer's projection when it runs the project's kernel without bias: the layer
+    itself, or for fused siblings (`parts`: their indices in order) the group's stacked layer."""
+    if parts is not None:
+        if not isinstance(module, Int4Projection) or module.index != parts[0]:
+            return None
+        module = module.group.fused
+    if not isinstance(module, Int4Linear) or module._kernel is None or module.bias is not None:
+        return None
+    return module
+
+
+def _norm(module: object) -> tuple[torch.Tensor, float] | None:
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if not type(module).__name__.endswith("RMSNorm") or not isinstance(weight, torch.Tensor) or eps is None:
+        return None
+    if weight.dtype != torch.float32 or weight.dim() != 1:
+        return None
+    return weight.detach().contiguous(), float(eps)
+
+
+def _layer_weights(layer: torch.nn.Module, config) -> _LayerWeights | None:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        return None
+    qkv = _kernel_linear(getattr(attn, "q_proj", None), (0, 1, 2))
+    gate_up = _kernel_linear(getattr(mlp, "gate_proj", None), (0, 1))
+    o, down = _kernel_linear(getattr(attn, "o_proj", None)), _kernel_linear(getattr(mlp, "down_proj", None))
+    input_norm = _norm(getattr(layer, "input_layernorm", None))
+    post_norm = _norm(getattr(layer, "post_attention_layernorm", None))
+    if None in (qkv, gate_up, o, down, input_norm, post_norm):
+        return None
+    # the fused siblings must be exactly q, k, v and gate, up (in that order), nothing more
+    if len(attn.q_proj.group.sizes) != 3 or len(mlp.gate_proj.group.sizes) != 2:
+        return None
+    if getattr(attn, "k_proj", None) is None or attn.k_proj.group is not attn.q_proj.group:
+        return None
+    if getattr(mlp, "up_proj", None) is None or mlp.up_proj.group is not mlp.gate_proj.group:
+        return None
+    sizes = mlp.gate_proj.group.sizes
+    if sizes[0] != sizes[1] or getattr(config, "hidden_act", None) != "silu":
+        return None
+    head_dim = getattr(attn, "head_dim", None)
+    q_size, k_size, v_size = attn.q_proj.group.sizes
+    if not head_dim or q_size % head_dim or k_size != v_size or k_size % head_dim:
+        return None
+    return _LayerWeights(
+        qkv=qkv,
+        o=o,
+        gate_up=gate_up,
+        down=down,
+        input_norm=input_norm[0],
+        input_eps=input_norm[1],
+        post_norm=post_norm[0],
+        post_eps=post_norm[1],
+        heads=q_size // head_dim,
+        kv_heads=k_size // head_dim,
+    )
+
+
+def _fused_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache=None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    weights: _LayerWeights = self._csd_fused
+    kernels = self._csd_kernels
+    if torch.autograd.profiler._is_profiler_enabled:  # spans cost as much as a one-row call: only when read
+        kernels = _Scoped(kernels)
+    x = hidden_states.contiguous()
+    batch, length, _ = x.shape
+    cos, sin = position_embeddings
+    if cos.shape[0] != batch:  # one set of positions for every row
+        cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
+    qkv = weights.qkv
+    query, key, value = kernels.norm_qkv_rope(
+        x,
+        weights.input_norm,
+        weights.input_eps,
+        qkv.packed_weight,
+        qkv.scale,
+        qkv.low,
+        cos.float().contiguous(),
+        sin.float().contiguous(),
+        weights.heads,
+        weights.kv_heads,
+    )
+    attn = self.self_attn
+    if cache is not None:
+        key, value = cache.update(key, value, attn.layer_idx)
+    output = kernels.attention(query, key, value, attention_mask, attn.scaling)
+    o, gate_up, down = weights.o, weights.gate_up, weights.down
+    return kernels.output_mlp(
+        output,
+        x,
+        o.packed_weight,
+        o.scale,
+        o.low,
+        weights.post_norm,
+        weights.post_eps,
+        gate_up.packed_weight,
+        gate_up.scale,
+        gate_up.low,
+        down.packed_weight,
+        down.scale,
+        down.low,
+    )
+
+
+def _full_attention(config) -> bool:
+    """Whether every layer attends to all earlier positions with plain softmax (no window, cap or sinks)."""
+    if getattr(config, "attn_logit_softcapping", None):
+        return False
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return False
+    window = getattr(config, "sliding_window", None)
+    return window is None or getattr(config, "use_sliding_window", True) is False
+
+
+class _Scoped:
+    """The kernels' calls, each in its profiler span (PROFILE_SCOPES)."""
+
+    def __init__(self, kernels) -> None:
+        self._kernels = kernels
+
+    def __getattr__(self, name: str):
+        function = getattr(self._kernels, name)
+
+        def scoped(*args):
+            with torch.profiler.record_function(f"csd::{name}"):
+                return function(*args)
+
+        return scoped
+
+
+def fuse_decoder_layers(model: torch.nn.Module) -> int:
+    """Give every decoder layer of a 4-bit model in an fp32 body the fused forward where all of them have the
+    shape it computes (module doc); returns how many layers were fused (0: the model keeps its own)."""
+    kernels = native.build("int4_linear")
+    if kernels is None or not _full_attention(model.config):
+        return 0
+    try:
+        if next(model.parameters()).dtype != torch.float32:
+            return 0
+    except StopIteration:
+        return 0
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not layers:
+        return 0
+    found = [_layer_weights(layer, model.config) for layer in layers]
+    if any(weights is None for weights in found):
+        log.debug("decoder layers not of the fusable shape: transformers' own layers run")
+        return 0
+    for layer, weights in zip(layers, found, strict=True):
+        layer._csd_fused = weights
+        layer._csd_kernels = kernels
+        layer.forward = types.MethodType(_fused_forward, layer)
+    log.debug("%d decoder layers fused around their attention", len(layers))
+    return len(layers)
+
+
+def executor_name(model: torch.nn.Module) -> str:
+    """ "fused", "int4-kernel", "int4-torch" or "eager": see `LoadedModel.executor`."""
+    layers = getattr(model.get_decoder(), "layers", None) or []
+    if layers and all(hasattr(layer, "_csd_fused") for layer in layers):
+        return "fused"
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    if not int4:
+        return "eager"
+    return "int4-kernel" if all(m._kernel is not None for m in int4) else "int4-torch"

@@ -1,0 +1,603 @@
+// y = x W^T for a weight held as 4-bit blocks (GGUF's Q4_1: 32 weights w = d * q + m, q in 0..15), the
+// activations quantised to 8 bits per block of 32 as llama.cpp does (its Q8_1): a weight block is read and
+// unpacked once for up to 8 rows, and each row's products are exact integer dot products (AVX512-VNNI
+// `vpdpbusd`, or `vpmaddubsw` + `vpmaddwd` on AVX512BW and AVX2). See service/decoding/int4_weights.py for why.
+//
+// For row r, column n and block b, with the row's block quantised as x ~ a * xq (a = max|x| / 127, xq in
+// -127..127), s = the block's exact fp32 sum of x and c = 8 (s - a * sum xq):
+//     sum_k x_k w_k = d * sum_k (q_k - 8) x_k + (m + 8 d) s  ~  d * a * sum_k q_k xq_k + m * s + d * c
+// The rounding errors of xq meet q - 8 (centred), not q (0..15): half the error of the plain product.
+// Every output (r, n) is computed by the same instructions in the same order whatever the number of rows and
+// threads (a row's quantisation depends on the row alone, integer sums are exact, the fp32 combination runs
+// lane by lane in a fixed order and is summed in a fixed order), so a row has the same bits alone or in a batch.
+//
+// Weight layout (made by `pack_int4` in int4_weights.py), per output column: K / 128 groups of 64 bytes, byte j
+// of group g holding weight 128 g + j in its low nibble and 128 g + 64 + j in its high one; then, where K is an
+// odd multiple of 64, one chunk of 32 bytes, byte j holding weights 128 G + j and 128 G + 32 + j. One 64-byte
+// load thus unpacks into two runs of 64 consecutive weights (two blocks each), in order.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define CSD_INT4_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CSD_INT4_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kChunk = 64;   // two blocks: what one 32-byte run of nibbles holds
+constexpr int64_t kGroup = 128;  // four blocks: one 64-byte load
+constexpr int kMaxTile = 8;      // rows that share one read of a weight block
+
+// A call's activations, quantised per block (see the top): xq [R, K] int8; scale [R, K / 64, 16] (a chunk's
+// two block scales a, each over the 8 lanes its block's dot products land in); sums and corrections [R, K / 32]
+// (s and c). Held in buffers of the calling thread, reused call after call: an allocation costs about what a
+// one-row call of a small layer does.
+struct Quantised {
+  const int8_t* xq;
+  const float *scale, *sums, *corrections;
+};
+
+template <typename In>
+Quantised quantise(const In* x, int64_t rows, int64_t k) {
+  thread_local std::vector<int8_t> xq_buffer;
+  thread_local std::vector<float> float_buffer;
+  const int64_t blocks = k / kBlock, chunks = k / kChunk;
+  xq_buffer.resize(static_cast<size_t>(rows * k) + 64);
+  float_buffer.resize(static_cast<size_t>(rows * (chunks * 16 + 2 * blocks)));
+  int8_t* xq = xq_buffer.data();
+  float* scale = float_buffer.data();
+  float* sums = scale + rows * chunks * 16;
+  float* corrections = sums + rows * blocks;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const In* xb = x + r * k + b * kBlock;
+      float v[kBlock];
+      float amax = 0.f, sum = 0.f;
+      for (int i = 0; i < kBlock; ++i) {
+        v[i] = static_cast<float>(xb[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+        sum += v[i];
+      }
+      const float a = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* qb = xq + r * k + b * kBlock;
+      int32_t qsum = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        qb[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        qsum += qb[i];
+      }
+      float* lanes = scale + (r * chunks + b / 2) * 16 + (b % 2) * 8;
+      for (int i = 0; i < 8; ++i) lanes[i] = a;
+      sums[r * blocks + b] = sum;
+      corrections[r * blocks + b] = 8.f * (sum - a * static_cast<float>(qsum));
+    }
+  }
+  return Quantised{xq, scale, sums, corrections};
+}
+
+// weight i of a column, from the layout above (the portable path and nothing hot)
+inline int nibble(const uint8_t* w, int64_t k, int64_t i) {
+  const int64_t full = (k / kGroup) * kGroup;
+  if (i < full) {
+    const int64_t g = i / kGroup, r = i % kGroup;
+    const uint8_t byte = w[g * 64 + r % 64];
+    return r >= 64 ? byte >> 4 : byte & 0x0F;
+  }
+  const int64_t r = i - full;
+  const uint8_t byte = w[full / 2 + r % 32];
+  return r >= 32 ? byte >> 4 : byte & 0x0F;
+}
+
+#if CSD_INT4_AVX512
+
+inline __m512i dot_u8s8(__m512i w, __m512i x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1));
+#endif
+}
+
+// sum over the column's blocks of m * s + d * c: a fixed-order dot product
+inline float block_terms(const float* m, const float* d, const float* s, const float* c, int64_t blocks) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 16 <= blocks; b += 16) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(m + b), _mm512_loadu_ps(s + b), acc);
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(d + b), _mm512_loadu_ps(c + b), acc);
+  }
+  if (b < blocks) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (blocks - b)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, m + b), _mm512_maskz_loadu_ps(tail, s + b), acc);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, d + b), _mm512_maskz_loadu_ps(tail, c + b), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// two blocks' scales d (at d[0], d[1]), each over 8 lanes
+inline __m512 pair_scales(const float* d) {
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(halves,
+                               _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d)))));
+}
+
+template <int T, typename Out>
+inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
+                        const int8_t* __restrict xq, const float* __restrict scale, const float* __restrict sums,
+                        const float* __restrict corrections, int64_t k, Out* __restrict out, int64_t out_stride) {
+  const int64_t chunks = k / kChunk, blocks = k / kBlock, groups = k / kGroup;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  // two accumulators a row (a group's low and high halves) so even one row keeps two fused multiply-adds in
+  // flight; every row, in every tile size, sums them the same way
+  __m512 lo_acc[T], hi_acc[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) lo_acc[t] = hi_acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i v = _mm512_loadu_si512(w + g * 64);
+    const __m512i q0 = _mm512_and_si512(v, low);
+    const __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    const __m512 d0 = pair_scales(d + 4 * g), d1 = pair_scales(d + 4 * g + 2);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const int8_t* x = xq + t * k + g * kGroup;
+      const float* a = scale + (t * chunks + 2 * g) * 16;
+      const __m512 s0 = _mm512_mul_ps(d0, _mm512_loadu_ps(a));
+      const __m512 s1 = _mm512_mul_ps(d1, _mm512_loadu_ps(a + 16));
+      lo_acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(q0, _mm512_loadu_si512(x))), s0, lo_acc[t]);
+      hi_acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(q1, _mm512_loadu_si512(x + 64))), s1, hi_acc[t]);
+    }
+  }
+  if (chunks % 2) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + groups * 64));
+    const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    const __m512 dv = pair_scales(d + 4 * groups);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const __m512 s = _mm512_mul_ps(dv, _mm512_loadu_ps(scale + (t * chunks + chunks - 1) * 16));
+      const __m512i x = _mm512_loadu_si512(xq + t * k + groups * kGroup);
+      lo_acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(q, x)), s, lo_acc[t]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    const float y = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[t], hi_acc[t])) +
+                    block_terms(m, d, sums + t * blocks, corrections + t * blocks, blocks);
+    out[t * out_stride] = static_cast<Out>(y);
+  }
+}
+
+#elif CSD_INT4_AVX2
+
+inline __m256i dot_u8s8(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+inline float block_terms(const float* m, const float* d, const float* s, const float* c, int64_t blocks) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(s + b), acc);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(d + b), _mm256_loadu_ps(c + b), acc);
+  }
+  float y = hsum(acc);
+  for (; b < blocks; ++b) y = std::fma(d[b], c[b], std::fma(m[b], s[b], y));
+  return y;
+}
+
+// one block (32 weights at `q`, unpacked) against T rows' block `b`
+template <int T>
+inline void block_rows(__m256i q, float d, const int8_t* xq, const float* scale, int64_t k, int64_t chunks, int64_t b,
+                       __m256* acc) {
+  const __m256 dv = _mm256_set1_ps(d);
+  for (int t = 0; t < T; ++t) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * k + b * kBlock));
+    const __m256 s = _mm256_mul_ps(dv, _mm256_loadu_ps(scale + (t * chunks + b / 2) * 16 + (b % 2) * 8));
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, x)), s, acc[t]);
+  }
+}
+
+template <int T, typename Out>
+inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
+                        const int8_t* __restrict xq, const float* __restrict scale, const float* __restrict sums,
+                        const float* __restrict corrections, int64_t k, Out* __restrict out, int64_t out_stride) {
+  const int64_t chunks = k / kChunk, blocks = k / kBlock, groups = k / kGroup;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    // the group's first 32 bytes: blocks 4g (low nibbles) and 4g + 2 (high); the next 32: 4g + 1 and 4g + 3
+    for (int half = 0; half < 2; ++half) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + half * 32));
+      const int64_t b = 4 * g + half;
+      block_rows<T>(_mm256_and_si256(v, low), d[b], xq, scale, k, chunks, b, acc);
+      block_rows<T>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), d[b + 2], xq, scale, k, chunks, b + 2, acc);
+    }
+  }
+  if (chunks % 2) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + groups * 64));
+    const int64_t b = 4 * groups;
+    block_rows<T>(_mm256_and_si256(v, low), d[b], xq, scale, k, chunks, b, acc);
+    block_rows<T>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), d[b + 1], xq, scale, k, chunks, b + 1, acc);
+  }
+  for (int t = 0; t < T; ++t) {
+    const float y = hsum(acc[t]) + block_terms(m, d, sums + t * blocks, corrections + t * blocks, blocks);
+    out[t * out_stride] = static_cast<Out>(y);
+  }
+}
+
+#else  // portable: the same arithmetic, one block at a time
+
+template <int T, typename Out>
+inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
+                        const int8_t* __restrict xq, const float* __restrict scale, const float* __restrict sums,
+                        const float* __restrict corrections, int64_t k, Out* __restrict out, int64_t out_stride) {
+  const int64_t chunks = k / kChunk, blocks = k / kBlock;
+  for (int t = 0; t < T; ++t) {
+    float y = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t dot = 0;
+      for (int j = 0; j < kBlock; ++j) dot += nibble(w, k, b * kBlock + j) * xq[t * k + b * kBlock + j];
+      y = std::fma(static_cast<float>(dot), d[b] * scale[(t * chunks + b / 2) * 16 + (b % 2) * 8], y);
+    }
+    float terms = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      terms = std::fma(d[b], corrections[t * blocks + b], std::fma(m[b], sums[t * blocks + b], terms));
+    }
+    out[t * out_stride] = static_cast<Out>(y + terms);
+  }
+}
+
+#endif
+
+template <typename Out>
+void run(const Quantised& xs, const uint8_t* w, const float* d, const float* m, int64_t rows, int64_t k,
+         int64_t n_out, Out* out) {
+  const int8_t* xq = xs.xq;
+  const float* scale = xs.scale;
+  const float* sums = xs.sums;
+  const float* corrections = xs.corrections;
+  const int64_t chunks = k / kChunk, blocks = k / kBlock;
+  // columns split across threads, every column computed whole by one thread: a row's bits do not depend on
+  // the thread count either
+  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* wn = w + n * (k / 2);
+      const float* dn = d + n * blocks;
+      const float* mn = m + n * blocks;
+      int64_t r = 0;
+      auto tile = [&](auto size) {
+        constexpr int T = decltype(size)::value;
+        column_rows<T>(wn, dn, mn, xq + r * k, scale + r * chunks * 16, sums + r * blocks, corrections + r * blocks, k,
+                       out + r * n_out + n, n_out);
+        r += T;
+      };
+      while (rows - r >= kMaxTile) tile(std::integral_constant<int, kMaxTile>{});
+      if (rows - r >= 4) tile(std::integral_constant<int, 4>{});
+      if (rows - r >= 2) tile(std::integral_constant<int, 2>{});
+      if (rows - r >= 1) tile(std::integral_constant<int, 1>{});
+    }
+  });
+}
+
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& d,
+                          const torch::Tensor& m) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x: contiguous fp32 or bf16 [R, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 [N, K / 2]");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && m.scalar_type() == torch::kFloat32 &&
+                  m.is_contiguous(),
+              "d, m: contiguous fp32 [N, K / 32]");
+  const int64_t rows = x.size(0), k = x.size(1), n_out = w.size(0);
+  TORCH_CHECK(k % kChunk == 0 && w.size(1) == k / 2, "K must be a multiple of 64 and match the weight");
+  TORCH_CHECK(d.numel() == n_out * (k / kBlock) && m.numel() == n_out * (k / kBlock), "d, m: [N, K / 32]");
+  auto out = torch::empty({rows, n_out}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  if (x.scalar_type() == torch::kFloat32) {
+    run(quantise(x.data_ptr<float>(), rows, k), wp, dp, mp, rows, k, n_out, out.data_ptr<float>());
+  } else {
+    run(quantise(x.data_ptr<c10::BFloat16>(), rows, k), wp, dp, mp, rows, k, n_out, out.data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// A Llama-style decoder layer's two halves around its attention, each one call (fp32 activations): the eager
+// layer spends more time dispatching its ~80 small operators than multiplying (see fused_layers.py). Every
+// step works row by row, so a row's bits do not depend on the rows beside it, as in `int4_linear`.
+
+// one 4-bit linear layer's buffers, as Int4Linear holds them
+struct Int4Weight {
+  const uint8_t* w;
+  const float *d, *m;
+  int64_t n_out;
+};
+
+Int4Weight int4_weight(const torch::Tensor& w, const torch::Tensor& d, const torch::Tensor& m, int64_t k) {
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(1) == k / 2,
+              "a 4-bit weight [N, K / 2] for K = ", k);
+  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && m.scalar_type() == torch::kFloat32 &&
+                  m.is_contiguous() && d.numel() == w.size(0) * (k / kBlock) && m.numel() == d.numel(),
+              "scales and mins [N, K / 32]");
+  return Int4Weight{w.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), w.size(0)};
+}
+
+// out [R, N] = x [R, K] (fp32) times the weight
+void matmul(const float* x, int64_t rows, int64_t k, const Int4Weight& weight, float* out) {
+  run(quantise(x, rows, k), weight.w, weight.d, weight.m, rows, k, weight.n_out, out);
+}
+
+// LlamaRMSNorm in fp32: w * (x / sqrt(mean(x^2) + eps)), a row at a time in a fixed order
+void rms_norm(const float* x, const float* weight, float eps, int64_t rows, int64_t h, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * h;
+    float squares = 0.f;
+    for (int64_t i = 0; i < h; ++i) squares += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(squares / static_cast<float>(h) + eps);
+    for (int64_t i = 0; i < h; ++i) out[r * h + i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+float* scratch(std::vector<float>& buffer, int64_t size) {
+  buffer.resize(static_cast<size_t>(size));
+  return buffer.data();
+}
+
+// The layer's first half: input norm, the fused q/k/v projection and rotary embedding. x [B, T, H] fp32,
+// cos and sin [B, T, D] (the model's rotary embedding of each position); returns q [B, Hq, T, D] and k, v
+// [B, Hkv, T, D], as the attention takes them.
+std::vector<torch::Tensor> norm_qkv_rope(const torch::Tensor& x, const torch::Tensor& norm_weight, double eps,
+                                         const torch::Tensor& w, const torch::Tensor& d, const torch::Tensor& m,
+                                         const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads,
+                                         int64_t kv_heads) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [B, T, H]");
+  const int64_t batch = x.size(0), length = x.size(1), h = x.size(2), rows = batch * length;
+  TORCH_CHECK(h % kChunk == 0, "the hidden size must be a multiple of 64");
+  const Int4Weight qkv = int4_weight(w, d, m, h);
+  TORCH_CHECK(qkv.n_out % (heads + 2 * kv_heads) == 0, "q, k and v heads do not divide the projection");
+  const int64_t dim = qkv.n_out / (heads + 2 * kv_heads), half = dim / 2;
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == rows * dim && sin.numel() == rows * dim,
+              "cos, sin: contiguous fp32 [B, T, head_dim]");
+  TORCH_CHECK(norm_weight.scalar_type() == torch::kFloat32 && norm_weight.numel() == h, "norm weight: fp32 [H]");
+  thread_local std::vector<float> normed_buffer, projected_buffer;
+  float* normed = scratch(normed_buffer, rows * h);
+  float* projected = scratch(projected_buffer, rows * qkv.n_out);
+  rms_norm(x.data_ptr<float>(), norm_weight.data_ptr<float>(), static_cast<float>(eps), rows, h, normed);
+  matmul(normed, rows, h, qkv, projected);
+  auto options = x.options();
+  auto q = torch::empty({batch, heads, length, dim}, options);
+  auto k = torch::empty({batch, kv_heads, length, dim}, options);
+  auto v = torch::empty({batch, kv_heads, length, dim}, options);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = 0; t < length; ++t) {
+      const int64_t r = b * length + t;
+      const float* row = projected + r * qkv.n_out;
+      const float* c = cp + r * dim;
+      const float* s = sp + r * dim;
+      for (int64_t head = 0; head < heads + 2 * kv_heads; ++head) {
+        const float* in = row + head * dim;
+        float* out;
+        if (head < heads) {
+          out = q.data_ptr<float>() + ((b * heads + head) * length + t) * dim;
+        } else if (head < heads + kv_heads) {
+          out = k.data_ptr<float>() + ((b * kv_heads + head - heads) * length + t) * dim;
+        } else {
+          std::copy(in, in + dim, v.data_ptr<float>() + ((b * kv_heads + head - heads - kv_heads) * length + t) * dim);
+          continue;
+        }
+        // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), as transformers' apply_rotary_pos_emb
+        for (int64_t i = 0; i < dim; ++i) {
+          const float rotated = i < half ? -in[i + half] : in[i - half];
+          const float a = in[i] * c[i];
+          const float b2 = rotated * s[i];
+          out[i] = a + b2;
+        }
+      }
+    }
+  }
+  return {q, k, v};
+}
+
+// exp(x) in plain float arithmetic (range reduction by ln 2, a degree-6 polynomial, the exponent set by bit
+// arithmetic; ~2 ulp): loops over it vectorise, and a value gets the same bits in a vector lane as in a scalar
+// tail, which libm's exp does not promise
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = (p * r) * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// a dot product of length n (a multiple of 16) in 16 lanes summed in a fixed order: it vectorises, and every
+// call with the same inputs gives the same bits
+inline float dot16(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float lanes[16] = {};
+  for (int64_t i = 0; i < n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
+  for (int l = 0; l < 8; ++l) lanes[l] += lanes[l + 8];
+  for (int l = 0; l < 4; ++l) lanes[l] += lanes[l + 4];
+  return (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+}
+
+// y += a * x over n floats (a multiple of 16): it vectorises (no aliasing), each lane alone
+inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// Attention of every query over the keys it sees, in their order: a query's output depends on nothing else
+// (not the batch's other rows, its padding, the holes rejected drafts leave, nor how many queries run), which
+// is the batch invariance `batch_invariant.row_aligned_attention` gets by aligning keys, here by construction.
+// q [B, Hq, T, D]; k, v [B, Hkv, L, D]; mask [B, 1, T, L] (additive fp32: 0 seen, the dtype's minimum not,
+// or bool) or none: causal, query t sees keys up to L - T + t. Returns [B, T, Hq * D].
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const std::optional<torch::Tensor>& mask, double scaling) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+                  v.scalar_type() == torch::kFloat32 && q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "q, k, v: fp32 [B, heads, length, D]");
+  const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const int64_t batch = q.size(0), heads = q.size(1), length = q.size(2), dim = q.size(3);
+  const int64_t kv_heads = k.size(1), keys = k.size(2);
+  TORCH_CHECK(k.size(0) == batch && v.sizes() == k.sizes() && k.size(3) == dim && heads % kv_heads == 0 &&
+                  keys >= length && dim % 16 == 0,
+              "q, k, v shapes do not match");
+  torch::Tensor seen;
+  if (mask.has_value() && mask->defined()) {
+    TORCH_CHECK(mask->dim() == 4 && mask->size(0) == batch && mask->size(2) == length && mask->size(3) == keys,
+                "mask: [B, 1, T, L]");
+    seen = mask->scalar_type() == torch::kBool ? mask->contiguous()
+                                               : (*mask > (std::numeric_limits<float>::lowest() / 2)).contiguous();
+  }
+  const bool* seen_p = seen.defined() ? seen.data_ptr<bool>() : nullptr;
+  const int64_t seen_heads = seen.defined() ? seen.size(1) : 0;
+  auto out = torch::empty({batch, length, heads * dim}, q.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = heads / kv_heads;
+  const float scale = static_cast<float>(scaling);
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(keys));
+    std::vector<int64_t> index(static_cast<size_t>(keys));
+    std::vector<float> acc(static_cast<size_t>(dim));
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads, g = h / group;
+      const float* kb = kp + (b * kv_heads + g) * keys * dim;
+      const float* vb = vp + (b * kv_heads + g) * keys * dim;
+      for (int64_t t = 0; t < length; ++t) {
+        const float* qv = qp + ((b * heads + h) * length + t) * dim;
+        int64_t count = 0;
+        if (seen_p) {
+          const bool* row = seen_p + ((b * seen_heads + (seen_heads > 1 ? h : 0)) * length + t) * keys;
+          for (int64_t j = 0; j < keys; ++j)
+            if (row[j]) index[count++] = j;
+        } else {
+          for (int64_t j = 0; j <= keys - length + t; ++j) index[count++] = j;
+        }
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < count; ++c) {
+          const float* kv = kb + index[c] * dim;
+          scores[c] = dot16(qv, kv, dim) * scale;
+          top = std::max(top, scores[c]);
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float total = 0.f;
+        for (int64_t c = 0; c < count; ++c) {
+          const float p = exp_approx(scores[c] - top);
+          total += p;
+          axpy(p, vb + index[c] * dim, acc.data(), dim);
+        }
+        float* o = op + (b * length + t) * heads * dim + h * dim;
+        const float inv = count ? 1.f / total : 0.f;
+        for (int64_t i = 0; i < dim; ++i) o[i] = acc[i] * inv;
+      }
+    }
+  });
+  return out;
+}
+
+inline float silu(float x) { return x / (1.f + exp_approx(-x)); }
+
+// The layer's second half: the attention's output projection and residual, then the norm, the MLP (fused
+// gate and up projection, SiLU(gate) * up, down projection) and its residual. attn [B, T, Hq * D] and
+// residual [B, T, H] fp32; returns the layer's output [B, T, H].
+torch::Tensor output_mlp(const torch::Tensor& attn, const torch::Tensor& residual, const torch::Tensor& o_w,
+                         const torch::Tensor& o_d, const torch::Tensor& o_m, const torch::Tensor& norm_weight, double eps,
+                         const torch::Tensor& gu_w, const torch::Tensor& gu_d, const torch::Tensor& gu_m,
+                         const torch::Tensor& down_w, const torch::Tensor& down_d, const torch::Tensor& down_m) {
+  TORCH_CHECK(attn.scalar_type() == torch::kFloat32 && attn.is_contiguous() && residual.scalar_type() == torch::kFloat32 &&
+                  residual.is_contiguous() && residual.dim() == 3,
+              "attn, residual: contiguous fp32");
+  const int64_t h = residual.size(2), rows = residual.size(0) * residual.size(1), k_attn = attn.numel() / rows;
+  TORCH_CHECK(attn.numel() == rows * k_attn && k_attn % kChunk == 0, "attn: [B, T, heads * head_dim]");
+  const Int4Weight o = int4_weight(o_w, o_d, o_m, k_attn);
+  const Int4Weight gate_up = int4_weight(gu_w, gu_d, gu_m, h);
+  TORCH_CHECK(o.n_out == h && gate_up.n_out % 2 == 0, "o: [H, heads * head_dim], gate_up: [2 I, H]");
+  const int64_t inter = gate_up.n_out / 2;
+  TORCH_CHECK(inter % kChunk == 0, "the intermediate size must be a multiple of 64");
+  const Int4Weight down = int4_weight(down_w, down_d, down_m, inter);
+  TORCH_CHECK(down.n_out == h, "down: [H, I]");
+  TORCH_CHECK(norm_weight.scalar_type() == torch::kFloat32 && norm_weight.numel() == h, "norm weight: fp32 [H]");
+  thread_local std::vector<float> projected_buffer, normed_buffer, gated_buffer, act_buffer;
+  auto out = torch::empty_like(residual);
+  float* hidden = out.data_ptr<float>();
+  float* projected = scratch(projected_buffer, rows * h);
+  matmul(attn.data_ptr<float>(), rows, k_attn, o, projected);
+  const float* res = residual.data_ptr<float>();
+  for (int64_t i = 0; i < rows * h; ++i) hidden[i] = res[i] + projected[i];
+  float* normed = scratch(normed_buffer, rows * h);
+  rms_norm(hidden, norm_weight.data_ptr<float>(), static_cast<float>(eps), rows, h, normed);
+  float* gated = scratch(gated_buffer, rows * 2 * inter);
+  matmul(normed, rows, h, gate_up, gated);
+  float* act = scratch(act_buffer, rows * inter);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gated + r * 2 * inter;
+    for (int64_t i = 0; i < inter; ++i) act[r * inter + i] = silu(g[i]) * g[inter + i];
+  }
+  matmul(act, rows, inter, down, projected);
+  for (int64_t i = 0; i < rows * h; ++i) hidden[i] = hidden[i] + projected[i];
+  return out;
+}
+
+std::string isa() {
+#if CSD_INT4_AVX512
+#ifdef __AVX512VNNI__
+  return "avx512-vnni";
+#else
+  return "avx512bw";
+#endif
+#elif CSD_INT4_AVX2
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_linear", &int4_linear,
+        "x [R, K] (fp32 or bf16) times 4-bit block weights (packed [N, K / 2], scales d and mins m [N, K / 32]): "
+        "[R, N] in x's dtype");
+  m.def("norm_qkv_rope", &norm_qkv_rope, "a Llama layer's input norm, fused q/k/v projection and RoPE");
+  m.def("attention", &attention, "attention of each query over the keys it sees, in order (fp32)");
+  m.def("output_mlp", &output_mlp, "a Llama layer's output projection, residual, norm, MLP and residual");
+  m.def("isa", &isa, "the instruction set the kernel was built for");
+}

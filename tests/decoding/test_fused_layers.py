@@ -1,0 +1,241 @@
+"""The project's 4-bit kernels and the fused decoder layers (`kernels/int4_linear.cpp`, `int4_weights`,
+`fused_layers`): the 4-bit product against the dequantised weights, a row's bits independent of the rows and
+threads beside it, the C++ attention against SDPA and independent of the queries beside it, the fused layer
+against the layer's own forward, hooks that still fire, and transformers' layers where the kernel cannot be
+built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from service.decoding import load_model, native
+from service.decoding.cpu_kernels import default_cpu_dtype
+from service.decoding.int4_weights import (
+    GROUP,
+    Int4Linear,
+    dequantize_int4,
+    int4_kernel,
+    int4_supported,
+    pack_int4,
+    quantize_int4,
+)
+from service.decoding.paths import default_cache_dir
+from service.decoding.text import encode_chat
+
+pytestmark = [
+    pytest.mark.usefixtures("single_thread"),
+    pytest.mark.skipif(not int4_supported(), reason="this torch build has no CPU int4 kernels"),
+]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    built = native.build("int4_linear")
+    if built is None:
+        if os.environ.get("CI"):
+            pytest.fail("the 4-bit kernel did not build (CI has g++ and ninja): see the warning logged")
+        pytest.skip("no C++ compiler or ninja here: the 4-bit kernel cannot be built")
+    return built
+
+
+@pytest.fixture(scope="module")
+def fused():
+    return load_model("embedded", dtype="float32", weights="int4")
+
+
+def int4_weight(n: int, k: int, seed: int):
+    """A random weight [n, k] as the kernel's buffers, and the dense weight they stand for."""
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    q, scales_and_zeros = quantize_int4(weight)
+    scale = scales_and_zeros[..., 0].t().contiguous()
+    low = (scales_and_zeros[..., 1] - 8 * scales_and_zeros[..., 0]).t().contiguous()
+    return (pack_int4(q), scale, low), dequantize_int4(q, scales_and_zeros)
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The layout `pack_int4` documents, read back: 128-weight groups of 64 bytes, then a 64-weight chunk."""
+    n = packed.shape[0]
+    full = k // 128 * 128
+    low, high = (packed & 0x0F).long(), (packed >> 4).long()
+    groups = torch.stack([low[:, : full // 2], high[:, : full // 2]], dim=1)  # [n, 2, full / 2]
+    parts = [groups.reshape(n, 2, full // 128, 64).permute(0, 2, 1, 3).reshape(n, full)]
+    if k > full:
+        parts += [low[:, full // 2 :], high[:, full // 2 :]]
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize("k", [576, 1536, 64])  # an odd multiple of 64 (a 32-byte tail), of 128, one chunk
+def test_the_packing_holds_every_weight_where_the_kernel_reads_it(k):
+    q = torch.randint(0, 16, (5, k), generator=torch.Generator().manual_seed(k), dtype=torch.int32)
+    packed = pack_int4(q)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (5, k // 2)
+    assert torch.equal(unpack_int4(packed, k), q.long())
+
+
+@pytest.mark.parametrize("k", [576, 1536])
+def test_the_4bit_kernel_computes_the_dequantised_product(kernels, k):
+    (packed, scale, low), dense = int4_weight(300, k, seed=1)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
+    exact = x.double() @ dense.double().T
+    got = kernels.int4_linear(x, packed, scale, low)
+    assert got.dtype == torch.float32
+    # activations quantised to 8 bits per group of 32 (centred on the weights' middle level): ~0.6 % of the
+    # product's norm on random data, the order of bf16 rounding (~0.3 %)
+    error = float((got.double() - exact).norm() / exact.norm())
+    assert 0 < error < 0.01, error
+    bf16 = kernels.int4_linear(x.to(torch.bfloat16), packed, scale, low)
+    assert bf16.dtype == torch.bfloat16
+    assert float((bf16.double() - exact).norm() / exact.norm()) < 0.015
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_4bit_kernel_gives_a_row_the_same_bits_for_any_row_and_thread_count(kernels, threads):
+    (packed, scale, low), _ = int4_weight(200, 576, seed=3)
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(4))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat(
+            [kernels.int4_linear(x[i : i + 1].contiguous(), packed, scale, low) for i in range(19)]
+        )
+        for count in range(2, 20):  # every tile of 8, 4, 2 and 1 rows, and mixes of them
+            assert torch.equal(kernels.int4_linear(x[:count].contiguous(), packed, scale, low), alone[:count])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_4bit_kernel_refuses_what_it_cannot_read(kernels):
+    (packed, scale, low), _ = int4_weight(8, 576, seed=5)
+    with pytest.raises(RuntimeError):
+        kernels.int4_linear(torch.randn(2, 576, dtype=torch.float64), packed, scale, low)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        kernels.int4_linear(torch.randn(2, 544), packed, scale, low)
+
+
+def gqa_inputs(batch: int, length: int, keys: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 9, length, 64, generator=generator)
+    k = torch.randn(batch, 3, keys, 64, generator=generator)
+    v = torch.randn(batch, 3, keys, 64, generator=generator)
+    return q, k, v
+
+
+def test_the_attention_is_softmax_attention_over_the_keys_each_query_sees(kernels):
+    q, k, v = gqa_inputs(2, 5, 40, seed=6)
+    # row 0: causal over all 40 keys; row 1: 7 padding keys in front and a hole at key 20
+    seen = torch.ones(2, 40, dtype=torch.bool)
+    seen[1, :7] = False
+    seen[1, 20] = False
+    causal = torch.arange(40)[None, :] <= torch.arange(35, 40)[:, None]  # [5, 40]
+    mask = seen[:, None, None, :] & causal[None, None]
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True
+    )
+    want = want.transpose(1, 2).reshape(2, 5, 9 * 64)
+    for given in (mask, additive):  # bool, or additive as transformers' eager mask
+        got = kernels.attention(q, k, v, given, 0.125)
+        assert float((got - want).abs().max()) < 1e-5
+    # no mask: causal, the last query sees every key
+    got = kernels.attention(q[:1], k[:1], v[:1], None, 0.125)
+    assert float((got - want[:1]).abs().max()) < 1e-5
+
+
+def test_a_querys_attention_has_the_bits_it_has_alone(kernels):
+    q, k, v = gqa_inputs(1, 6, 30, seed=7)
+    together = kernels.attention(q, k, v, None, 0.125)
+    for t in range(6):
+        # query t alone sees the keys up to its own position, as in a one-token forward
+        alone = kernels.attention(
+            q[:, :, t : t + 1].contiguous(), k[:, :, : 25 + t], v[:, :, : 25 + t], None, 0.125
+        )
+        assert torch.equal(alone[:, 0], together[:, t])
+
+
+def test_every_layer_of_the_embedded_int4_model_is_fused(kernels, fused):
+    layers = fused.model.model.layers
+    assert len(layers) == 30 and all(hasattr(layer, "_csd_fused") for layer in layers)
+    weights = layers[0]._csd_fused
+    assert (weights.heads, weights.kv_heads) == (9, 3)
+
+
+def test_a_fused_layer_computes_what_the_layer_itself_does(kernels, fused):
+    model = fused.model
+    ids = encode_chat(fused.tokenizer, [{"role": "user", "content": "Name three rivers and their seas."}])
+    inputs = {}
+    hook = model.model.layers[7].register_forward_pre_hook(
+        lambda _, args, kwargs: inputs.update(args=args, kwargs=kwargs), with_kwargs=True
+    )
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([ids]))
+    finally:
+        hook.remove()
+    layer = model.model.layers[7]
+    with torch.inference_mode():
+        got = layer(*inputs["args"], **{**inputs["kwargs"], "cache": None})
+        # transformers' own forward of the same module: eager norms, RoPE and row-aligned attention around
+        # the same 4-bit matmuls
+        want = type(layer).forward(layer, *inputs["args"], **{**inputs["kwargs"], "cache": None})
+    assert got.shape == want.shape
+    assert float((got - want).norm() / want.norm()) < 1e-3
+
+
+def test_hooks_on_a_fused_layer_still_see_its_output(kernels, fused):
+    # the draft head reads layer outputs through forward hooks: a fused layer is still called as a module
+    seen, normed = [], []
+    hooks = [
+        fused.model.model.layers[-1].register_forward_hook(lambda _, __, output: seen.append(output)),
+        fused.model.model.norm.register_forward_pre_hook(lambda _, args: normed.append(args[0])),
+    ]
+    try:
+        with torch.inference_mode():
+            fused.model(input_ids=torch.tensor([[1, 2, 3]]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(seen) == 1 and seen[0].shape == (1, 3, 576)
+    assert torch.equal(seen[0], normed[0])  # the last layer's output is what the final norm reads
+
+
+def test_without_the_kernel_the_model_runs_transformers_layers_on_torchs_int4_kernel(tmp_path):
+    # a cache whose kernel folder is a file (the converted model shared with the usual cache): a real fault.
+    # The 4-bit model still loads and decodes, on torch's int4 kernel, in the body the CPU multiplies
+    # fastest, unfused.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "models").symlink_to(default_cache_dir() / "models")
+    (cache / "kernels").write_text("")
+    env = {**os.environ, "CSD_CACHE_DIR": str(cache), "HF_HUB_OFFLINE": "1"}
+    script = (
+        "import torch\n"
+        "from service.decoding import load_model\n"
+        "from service.decoding.int4_weights import Int4Linear\n"
+        "loaded = load_model('embedded')\n"
+        "layers = [m for m in loaded.model.modules() if isinstance(m, Int4Linear)]\n"
+        "print('weights', loaded.weights, 'dtype', loaded.model.dtype)\n"
+        "print('kernels', sum(m._kernel is not None for m in layers), 'of', len(layers))\n"
+        "print('fused', sum(hasattr(m, '_csd_fused') for m in loaded.model.model.layers))\n"
+        "with torch.inference_mode():\n"
+        "    print('logits', tuple(loaded.model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"weights int4 dtype {default_cpu_dtype()}" in out.stdout
+    assert "kernels 0 of 120" in out.stdout and "fused 0" in out.stdout
+    assert "logits (1, 3, 49152)" in out.stdout
+    assert "int4_linear kernel could not be built" in out.stderr
+
+
+def test_a_layer_whose_input_is_not_a_multiple_of_64_keeps_torchs_kernel(kernels):
+    linear = torch.nn.Linear(3 * GROUP, 16, bias=False)  # 96 features: whole groups, not whole chunks
+    layer = Int4Linear(linear)
+    assert layer._kernel is None
+    with torch.inference_mode():
+        assert layer(torch.randn(2, 96)).shape == (2, 16)
+    assert int4_kernel() is not None
