@@ -140,12 +140,13 @@ def start_server(tmp: Path, *flags: str, api_key: str | None = None, log_level: 
 
 @pytest.fixture(scope="session")
 def api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The shared server: API keys on, token cap 64, the default speculation (csd, ngram)."""
+    """The shared server: API keys on, token cap 512 (room for generations long enough to act on while they
+    run), the default speculation (csd, ngram)."""
     tmp = tmp_path_factory.mktemp("api-server")
     server = start_server(
         tmp,
         *[arg for key in API_KEYS for arg in ("--api-key", key)],
-        "--max-tokens-cap", "64", "--default-max-tokens", "16", "--max-queue", "4",
+        "--max-tokens-cap", "512", "--default-max-tokens", "16", "--max-queue", "4",
         api_key=API_KEYS[0],
     )  # fmt: skip
     yield server

@@ -28,7 +28,7 @@ BAD_BODIES = [
     ("temperature-negative", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": -0.1}, 400, "temperature", "invalid_value"),
     ("top-p-zero", "/v1/completions", {**COMPLETION, "top_p": 0}, 400, "top_p", "invalid_value"),
     ("max-tokens-zero", "/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens", "inconsistent_parameters"),
-    ("max-tokens-above-cap", "/v1/completions", {**COMPLETION, "max_tokens": 65}, 400, "max_tokens", "max_tokens_exceeded"),
+    ("max-tokens-above-cap", "/v1/completions", {**COMPLETION, "max_tokens": 513}, 400, "max_tokens", "max_tokens_exceeded"),
     ("max-completion-tokens-above-cap", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_completion_tokens": 100000}, 400, "max_completion_tokens", "max_tokens_exceeded"),
     ("unknown-model", "/v1/completions", {**COMPLETION, "model": "gpt-4o"}, 404, "model", "model_not_found"),
     ("n-above-batch", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 99}, 400, "n", "invalid_value"),

@@ -288,14 +288,16 @@ def test_batch_occupancy_is_served_as_kv_cache_usage(api_server: Server) -> None
     """vllm:kv_cache_usage_perc is the fraction of batch rows in use (the endpoint picker reads it)."""
     idle = api_server.metrics()
     assert idle.value("vllm:num_requests_running") == 0 and idle.value("vllm:kv_cache_usage_perc") == 0
-    # ignore_eos and the server's whole cap (--max-tokens-cap 64) keep the generation running while the
-    # metrics are read; on a loaded machine all 64 tokens were once done before the scrape answered (2 s at
-    # 30 ms a token), so a scrape that comes too late is tried again
-    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 64, "stream": True, "ignore_eos": True}
+    # ignore_eos and the server's whole cap (--max-tokens-cap 512) keep the generation running while the
+    # metrics are read, and a scrape that comes too late on a loaded machine is tried again
+    body = {"model": MODEL, "prompt": COUNTING, "max_tokens": 512, "stream": True, "ignore_eos": True}
     body["speculative"] = {"method": "vanilla"}
     for _ in range(5):
         with api_server.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
-            for line in response.iter_lines():
+            # the iterator is held: a generator dropped after `break` is finalised, which closes the
+            # connection, and a fast server then stops the request before the scrape below answers
+            lines = response.iter_lines()
+            for line in lines:
                 if line.startswith("data: "):
                     break
             during = api_server.metrics()  # (leaving the block disconnects: the server stops the request)
@@ -320,7 +322,8 @@ def test_metrics_move_during_a_generation(api_server: Server) -> None:
     body = {
         "model": MODEL,
         "prompt": COUNTING,
-        "max_tokens": 48,
+        "max_tokens": 512,  # long enough to be running when the metrics answer, on a fast forward too
+        "ignore_eos": True,
         "stream": True,
         "speculative": {"method": "vanilla"},
     }

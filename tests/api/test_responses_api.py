@@ -1,5 +1,5 @@
 """`/v1/responses` (OpenAI's Responses API) through the official `openai` client's `responses.create` and
-`responses.stream`, against the shared real server (greedy decoding, token cap 64)."""
+`responses.stream`, against the shared real server (greedy decoding, token cap 512)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Stored responses and `background: true` on `/v1/responses`, through the official `openai` client
 (`responses.create(background=True)`, `retrieve`, `cancel`, `delete`) against real servers: the shared one
-(greedy, token cap 64) and, for a generation that runs out of time, one with a short request timeout."""
+(greedy, token cap 512) and, for a generation that runs out of time, one with a short request timeout."""
 
 from __future__ import annotations
 
@@ -64,9 +64,9 @@ def aborted(server: Server) -> float:
 
 
 def count_in_background(client: openai.OpenAI, model: str):
-    """A background response long enough (64 tokens) to be still running when the test acts on it."""
+    """A background response long enough (up to 512 tokens) to be still running when the test acts on it."""
     return client.responses.create(
-        model=model, input="Count from one to fifty.", max_output_tokens=64, background=True
+        model=model, input="Count from one to five hundred.", max_output_tokens=512, background=True
     )
 
 
@@ -88,7 +88,7 @@ def test_cancel_stops_the_generation(client: openai.OpenAI, model: str, api_serv
     queued = count_in_background(client, model)
     cancelled = client.responses.cancel(queued.id)
     assert cancelled.status == "cancelled" and cancelled.id == queued.id
-    # the engine dropped it (a 64-token generation would have finished with "length")
+    # the engine dropped it (a generation that ran its 512 tokens would have finished with "length")
     assert wait_until(lambda: aborted(api_server) == before + 1, timeout=30)
     time.sleep(0.5)
     after = client.responses.retrieve(queued.id)
