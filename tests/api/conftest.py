@@ -192,3 +192,26 @@ def assert_openai_error(
     if code != "any":
         assert error["code"] == code, error
     return error
+
+
+SUFFIX_PROMPT = "Explain in two sentences why the sky is blue."  # an answer that does not repeat itself
+
+
+def suffix_chat(url: str, key: str) -> dict:
+    """A greedy strict-SD chat completion of SUFFIX_PROMPT with the suffix drafter, as `key` (its tenant):
+    {"text": ..., and the response's speculative statistics}."""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        response = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": model,
+                "messages": [{"role": "user", "content": SUFFIX_PROMPT}],
+                "max_tokens": 48,
+                "temperature": 0,
+                "speculative": {"method": "sd", "drafter": "suffix", "num_speculative_tokens": 16},
+            },
+        )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return {"text": body["choices"][0]["message"]["content"], **body["speculative"]}

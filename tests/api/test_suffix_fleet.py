@@ -4,34 +4,14 @@ gone, B still serves the suffix drafter from what it has."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import redis
 
 from bench.redis_process import RedisProcess
 from ocm_store.draft_pool import PREFIX
-from tests.api.conftest import start_server
+from tests.api.conftest import start_server, suffix_chat
 
 KEYS = ("sk-fleet-tenant-one", "sk-fleet-tenant-two")
-PROMPT = "Explain in two sentences why the sky is blue."  # an answer that does not repeat itself
-
-
-def _chat(url: str, key: str) -> dict:
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as client:
-        model = client.get("/v1/models").json()["data"][0]["id"]
-        response = client.post(
-            "/v1/chat/completions",
-            json={
-                "model": model,
-                "messages": [{"role": "user", "content": PROMPT}],
-                "max_tokens": 48,
-                "temperature": 0,
-                "speculative": {"method": "sd", "drafter": "suffix", "num_speculative_tokens": 16},
-            },
-        )
-    assert response.status_code == 200, response.text
-    body = response.json()
-    return {"text": body["choices"][0]["message"]["content"], **body["speculative"]}
 
 
 @pytest.fixture
@@ -45,7 +25,7 @@ def test_a_replica_started_later_drafts_what_another_served_for_the_same_key(tmp
     flags = ("--redis-url", redis_server.url, *[a for key in KEYS for a in ("--api-key", key)])
     first = start_server(tmp_path / "a", *flags, api_key=KEYS[0])
     try:
-        cold = _chat(first.url, KEYS[0])
+        cold = suffix_chat(first.url, KEYS[0])
         direct = redis.Redis(port=redis_server.port)
         (stream,) = direct.keys(f"{PREFIX}:*")
         assert direct.xlen(stream) == 1
@@ -53,14 +33,14 @@ def test_a_replica_started_later_drafts_what_another_served_for_the_same_key(tmp
         first.stop()
     second = start_server(tmp_path / "b", *flags, api_key=KEYS[0])
     try:
-        other = _chat(second.url, KEYS[1])  # another tenant first: A's answer must not draft for it
-        pooled = _chat(second.url, KEYS[0])
+        other = suffix_chat(second.url, KEYS[1])  # another tenant first: A's answer must not draft for it
+        pooled = suffix_chat(second.url, KEYS[0])
         assert cold["text"] == pooled["text"] == other["text"]
         assert pooled["accepted_tokens"] > cold["accepted_tokens"] + 20, (cold, pooled)
         assert pooled["target_forwards"] < cold["target_forwards"] / 2, (cold, pooled)
         assert other["accepted_tokens"] <= cold["accepted_tokens"] + 2, (cold, other)
         redis_server.stop()  # Redis gone: the replica serves on, drafting from what it holds
-        after = _chat(second.url, KEYS[0])
+        after = suffix_chat(second.url, KEYS[0])
         assert after["text"] == cold["text"]
         assert after["accepted_tokens"] > cold["accepted_tokens"] + 20, (cold, after)
     finally:
