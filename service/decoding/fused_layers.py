@@ -41,14 +41,20 @@ log = logging.getLogger(__name__)
 PROFILE_SCOPES = ("csd::norm_qkv_rope", "csd::attention", "csd::output_mlp")
 
 
+def _blocks(linear: Int4Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's kernel buffers as the calls take them: (packed weight, scales, minimums), the fp32 views
+    made once here, not per forward (six views a layer were ~180 operator calls a forward)."""
+    return linear.packed_weight, linear.scale, linear.low
+
+
 @dataclass
 class _LayerWeights:
     """What the two calls read, gathered once at load."""
 
-    qkv: Int4Linear
-    o: Int4Linear
-    gate_up: Int4Linear
-    down: Int4Linear
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    o: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     input_norm: torch.Tensor
     input_eps: float
     post_norm: torch.Tensor
@@ -104,10 +110,10 @@ def _layer_weights(layer: torch.nn.Module, config) -> _LayerWeights | None:
     if not head_dim or q_size % head_dim or k_size != v_size or k_size % head_dim:
         return None
     return _LayerWeights(
-        qkv=qkv,
-        o=o,
-        gate_up=gate_up,
-        down=down,
+        qkv=_blocks(qkv),
+        o=_blocks(o),
+        gate_up=_blocks(gate_up),
+        down=_blocks(down),
         input_norm=input_norm[0],
         input_eps=input_norm[1],
         post_norm=post_norm[0],
@@ -136,14 +142,11 @@ def _fused_forward(
     cos, sin = position_embeddings
     if cos.shape[0] != batch:  # one set of positions for every row
         cos, sin = cos.expand(batch, -1, -1), sin.expand(batch, -1, -1)
-    qkv = weights.qkv
     query, key, value = kernels.norm_qkv_rope(
         x,
         weights.input_norm,
         weights.input_eps,
-        qkv.packed_weight,
-        qkv.scale,
-        qkv.low,
+        *weights.qkv,
         cos.float().contiguous(),
         sin.float().contiguous(),
         weights.heads,
@@ -153,21 +156,8 @@ def _fused_forward(
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx)
     output = kernels.attention(query, key, value, attention_mask, attn.scaling)
-    o, gate_up, down = weights.o, weights.gate_up, weights.down
     return kernels.output_mlp(
-        output,
-        x,
-        o.packed_weight,
-        o.scale,
-        o.low,
-        weights.post_norm,
-        weights.post_eps,
-        gate_up.packed_weight,
-        gate_up.scale,
-        gate_up.low,
-        down.packed_weight,
-        down.scale,
-        down.low,
+        output, x, *weights.o, weights.post_norm, weights.post_eps, *weights.gate_up, *weights.down
     )
 
 
