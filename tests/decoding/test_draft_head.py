@@ -283,3 +283,38 @@ def test_a_reload_to_a_head_fusing_layers_the_server_does_not_capture_is_refused
         HeadDrafter(model, fused, reload=True)
     assert model.final_hidden.layers == ()
     HeadDrafter(model, tmp_path / "final", reload=True)  # the same kind reloads
+
+
+def test_the_trained_head_keeps_more_per_forward_than_prompt_lookup_on_an_open_question(embedded):
+    """What the shipped head is for: an open question, where the prompt holds little to look up. At a fixed
+    draft length (no cost table: every draft verified in full, so the drafters alone decide), the head and
+    the combined drafter keep more tokens per target forward than prompt lookup, and strict SD says exactly
+    what plain decoding says. The API test asks the same question through a server, whose adaptive policy
+    may draft less on a machine where a wide forward is dear."""
+    from ocm_store import InMemoryStore, Namespace
+    from service.decoding.draft_head import EMBEDDED_HEAD_DIR
+    from service.decoding.text import encode_chat
+
+    ngram = NgramDrafter()
+    drafters = {"ngram": ngram, "head": HeadDrafter(embedded, EMBEDDED_HEAD_DIR)}
+    drafters["combined"] = CombinedDrafter(ngram, drafters["head"])
+    store = InMemoryStore()
+    engine = Engine(embedded, drafters, {n: store.memory(Namespace("t", n, "v")) for n in drafters})
+    ids = encode_chat(
+        embedded.tokenizer, [{"role": "user", "content": "Why do leaves change colour in autumn?"}]
+    )
+    sampling = SamplingParams(max_tokens=48)
+
+    def decode(method: str, drafter: str):
+        generation = engine.generate(ids, sampling, SpeculativeConfig(method=method), drafter)
+        list(run_alone(generation))
+        return [t.token_id for t in generation.tokens], generation.stats.tokens_per_forward
+
+    plain, _ = decode("vanilla", "ngram")
+    per_forward = {}
+    for drafter in drafters:
+        tokens, per_forward[drafter] = decode("sd", drafter)
+        assert tokens == plain, drafter
+    assert per_forward["head"] > per_forward["ngram"] and per_forward["combined"] > per_forward["ngram"], (
+        per_forward
+    )
