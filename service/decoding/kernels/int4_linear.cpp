@@ -42,10 +42,12 @@ constexpr int64_t kChunk = 64;   // two blocks: what one 32-byte run of nibbles 
 constexpr int64_t kGroup = 128;  // four blocks: one 64-byte load
 constexpr int kMaxTile = 8;      // rows that share one read of a weight block
 
-// A call's activations, quantised per block (see the top): xq [R, K] int8; scale [R, K / 64, 16] (a chunk's
-// two block scales a, each over the 8 lanes its block's dot products land in); sums and corrections [R, K / 32]
-// (s and c). Held in buffers of the calling thread, reused call after call: an allocation costs about what a
-// one-row call of a small layer does.
+// A call's activations, quantised per block (see the top), chunk-major so that the rows of a tile sit side by
+// side for each chunk of 64 (one pointer a tile, each row at a fixed offset from it, where row-major addressing
+// spent more instructions on addresses than on arithmetic and spilled them): xq [K / 64, R, 64] int8; scale
+// [K / 64, R, 16] (a chunk's two block scales a, each over the 8 lanes its block's dot products land in); sums
+// and corrections [R, K / 32] (s and c). Held in buffers of the calling thread, reused call after call: an
+// allocation costs about what a one-row call of a small layer does.
 struct Quantised {
   const int8_t* xq;
   const float *scale, *sums, *corrections;
@@ -74,13 +76,13 @@ Quantised quantise(const In* x, int64_t rows, int64_t k) {
       }
       const float a = amax / 127.f;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* qb = xq + r * k + b * kBlock;
+      int8_t* qb = xq + ((b / 2) * rows + r) * kChunk + (b % 2) * kBlock;
       int32_t qsum = 0;
       for (int i = 0; i < kBlock; ++i) {
         qb[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
         qsum += qb[i];
       }
-      float* lanes = scale + (r * chunks + b / 2) * 16 + (b % 2) * 8;
+      float* lanes = scale + ((b / 2) * rows + r) * 16 + (b % 2) * 8;
       for (int i = 0; i < 8; ++i) lanes[i] = a;
       sums[r * blocks + b] = sum;
       corrections[r * blocks + b] = 8.f * (sum - a * static_cast<float>(qsum));
@@ -135,10 +137,12 @@ inline __m512 pair_scales(const float* d) {
                                _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d)))));
 }
 
+// T rows (at xq and scale, the tile's first row, in the chunk-major layout of `rows` rows) times one column
 template <int T, typename Out>
 inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
                         const int8_t* __restrict xq, const float* __restrict scale, const float* __restrict sums,
-                        const float* __restrict corrections, int64_t k, Out* __restrict out, int64_t out_stride) {
+                        const float* __restrict corrections, int64_t k, int64_t rows, Out* __restrict out,
+                        int64_t out_stride) {
   const int64_t chunks = k / kChunk, blocks = k / kBlock, groups = k / kGroup;
   const __m512i low = _mm512_set1_epi8(0x0F);
   // two accumulators a row (a group's low and high halves) so even one row keeps two fused multiply-adds in
@@ -151,14 +155,17 @@ inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, 
     const __m512i q0 = _mm512_and_si512(v, low);
     const __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     const __m512 d0 = pair_scales(d + 4 * g), d1 = pair_scales(d + 4 * g + 2);
+    // chunks 2g (weights 128g + 0..63) and 2g + 1 (128g + 64..127), each with the tile's rows side by side
+    const int8_t* x0 = xq + 2 * g * rows * kChunk;
+    const int8_t* x1 = x0 + rows * kChunk;
+    const float* a0 = scale + 2 * g * rows * 16;
+    const float* a1 = a0 + rows * 16;
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
-      const int8_t* x = xq + t * k + g * kGroup;
-      const float* a = scale + (t * chunks + 2 * g) * 16;
-      const __m512 s0 = _mm512_mul_ps(d0, _mm512_loadu_ps(a));
-      const __m512 s1 = _mm512_mul_ps(d1, _mm512_loadu_ps(a + 16));
-      lo_acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(q0, _mm512_loadu_si512(x))), s0, lo_acc[t]);
-      hi_acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(q1, _mm512_loadu_si512(x + 64))), s1, hi_acc[t]);
+      const __m512 s0 = _mm512_mul_ps(d0, _mm512_loadu_ps(a0 + t * 16));
+      const __m512 s1 = _mm512_mul_ps(d1, _mm512_loadu_ps(a1 + t * 16));
+      lo_acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(q0, _mm512_loadu_si512(x0 + t * kChunk))), s0, lo_acc[t]);
+      hi_acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(q1, _mm512_loadu_si512(x1 + t * kChunk))), s1, hi_acc[t]);
     }
   }
   if (chunks % 2) {
@@ -169,8 +176,8 @@ inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, 
     const __m512 dv = pair_scales(d + 4 * groups);
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
-      const __m512 s = _mm512_mul_ps(dv, _mm512_loadu_ps(scale + (t * chunks + chunks - 1) * 16));
-      const __m512i x = _mm512_loadu_si512(xq + t * k + groups * kGroup);
+      const __m512 s = _mm512_mul_ps(dv, _mm512_loadu_ps(scale + ((chunks - 1) * rows + t) * 16));
+      const __m512i x = _mm512_loadu_si512(xq + ((chunks - 1) * rows + t) * kChunk);
       lo_acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(q, x)), s, lo_acc[t]);
     }
   }
@@ -206,40 +213,49 @@ inline float block_terms(const float* m, const float* d, const float* s, const f
   return y;
 }
 
-// one block (32 weights at `q`, unpacked) against T rows' block `b`
+// one block (32 weights at `q`, unpacked) against T rows' block: row t's at x + t * 64, its scales at a + t * 16
 template <int T>
-inline void block_rows(__m256i q, float d, const int8_t* xq, const float* scale, int64_t k, int64_t chunks, int64_t b,
-                       __m256* acc) {
+inline void block_rows(__m256i q, float d, const int8_t* __restrict x, const float* __restrict a, __m256* acc) {
   const __m256 dv = _mm256_set1_ps(d);
+#pragma GCC unroll 8
   for (int t = 0; t < T; ++t) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + t * k + b * kBlock));
-    const __m256 s = _mm256_mul_ps(dv, _mm256_loadu_ps(scale + (t * chunks + b / 2) * 16 + (b % 2) * 8));
-    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, x)), s, acc[t]);
+    const __m256i xt = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + t * kChunk));
+    const __m256 s = _mm256_mul_ps(dv, _mm256_loadu_ps(a + t * 16));
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, xt)), s, acc[t]);
   }
 }
 
+// T rows (at xq and scale, the tile's first row, in the chunk-major layout of `rows` rows) times one column
 template <int T, typename Out>
 inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
                         const int8_t* __restrict xq, const float* __restrict scale, const float* __restrict sums,
-                        const float* __restrict corrections, int64_t k, Out* __restrict out, int64_t out_stride) {
+                        const float* __restrict corrections, int64_t k, int64_t rows, Out* __restrict out,
+                        int64_t out_stride) {
   const int64_t chunks = k / kChunk, blocks = k / kBlock, groups = k / kGroup;
+  const int64_t x_step = rows * kChunk, a_step = rows * 16;  // from one chunk to the next
   const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    // the group's first 32 bytes: blocks 4g (low nibbles) and 4g + 2 (high); the next 32: 4g + 1 and 4g + 3
+    // the group's first 32 bytes: blocks 4g (low nibbles) and 4g + 2 (high); the next 32: 4g + 1 and 4g + 3.
+    // Block b is the (b % 2) half of chunk b / 2.
+    const int8_t* x0 = xq + 2 * g * x_step;
+    const float* a0 = scale + 2 * g * a_step;
     for (int half = 0; half < 2; ++half) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + half * 32));
       const int64_t b = 4 * g + half;
-      block_rows<T>(_mm256_and_si256(v, low), d[b], xq, scale, k, chunks, b, acc);
-      block_rows<T>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), d[b + 2], xq, scale, k, chunks, b + 2, acc);
+      block_rows<T>(_mm256_and_si256(v, low), d[b], x0 + half * kBlock, a0 + half * 8, acc);
+      block_rows<T>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), d[b + 2], x0 + x_step + half * kBlock,
+                    a0 + a_step + half * 8, acc);
     }
   }
   if (chunks % 2) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + groups * 64));
     const int64_t b = 4 * groups;
-    block_rows<T>(_mm256_and_si256(v, low), d[b], xq, scale, k, chunks, b, acc);
-    block_rows<T>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), d[b + 1], xq, scale, k, chunks, b + 1, acc);
+    const int8_t* x0 = xq + (chunks - 1) * x_step;
+    const float* a0 = scale + (chunks - 1) * a_step;
+    block_rows<T>(_mm256_and_si256(v, low), d[b], x0, a0, acc);
+    block_rows<T>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), d[b + 1], x0 + kBlock, a0 + 8, acc);
   }
   for (int t = 0; t < T; ++t) {
     const float y = hsum(acc[t]) + block_terms(m, d, sums + t * blocks, corrections + t * blocks, blocks);
@@ -252,14 +268,16 @@ inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, 
 template <int T, typename Out>
 inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
                         const int8_t* __restrict xq, const float* __restrict scale, const float* __restrict sums,
-                        const float* __restrict corrections, int64_t k, Out* __restrict out, int64_t out_stride) {
-  const int64_t chunks = k / kChunk, blocks = k / kBlock;
+                        const float* __restrict corrections, int64_t k, int64_t rows, Out* __restrict out,
+                        int64_t out_stride) {
+  const int64_t blocks = k / kBlock;
   for (int t = 0; t < T; ++t) {
     float y = 0.f;
     for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* x = xq + ((b / 2) * rows + t) * kChunk + (b % 2) * kBlock;
       int32_t dot = 0;
-      for (int j = 0; j < kBlock; ++j) dot += nibble(w, k, b * kBlock + j) * xq[t * k + b * kBlock + j];
-      y = std::fma(static_cast<float>(dot), d[b] * scale[(t * chunks + b / 2) * 16 + (b % 2) * 8], y);
+      for (int j = 0; j < kBlock; ++j) dot += nibble(w, k, b * kBlock + j) * x[j];
+      y = std::fma(static_cast<float>(dot), d[b] * scale[((b / 2) * rows + t) * 16 + (b % 2) * 8], y);
     }
     float terms = 0.f;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -278,7 +296,7 @@ void run(const Quantised& xs, const uint8_t* w, const float* d, const float* m, 
   const float* scale = xs.scale;
   const float* sums = xs.sums;
   const float* corrections = xs.corrections;
-  const int64_t chunks = k / kChunk, blocks = k / kBlock;
+  const int64_t blocks = k / kBlock;
   // columns split across threads, every column computed whole by one thread: a row's bits do not depend on
   // the thread count either
   at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
@@ -289,8 +307,8 @@ void run(const Quantised& xs, const uint8_t* w, const float* d, const float* m, 
       int64_t r = 0;
       auto tile = [&](auto size) {
         constexpr int T = decltype(size)::value;
-        column_rows<T>(wn, dn, mn, xq + r * k, scale + r * chunks * 16, sums + r * blocks, corrections + r * blocks, k,
-                       out + r * n_out + n, n_out);
+        column_rows<T>(wn, dn, mn, xq + r * kChunk, scale + r * 16, sums + r * blocks, corrections + r * blocks, k,
+                       rows, out + r * n_out + n, n_out);
         r += T;
       };
       while (rows - r >= kMaxTile) tile(std::integral_constant<int, kMaxTile>{});
