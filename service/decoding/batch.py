@@ -7,7 +7,8 @@ explained there). Each `step()`:
    the chunk) stay within `max_batched_tokens`, and one chunk per step, so a long prompt delays the
    others' next round by one bounded chunk forward, never by its whole prefill;
 2. runs one decoding round for every running row (`_round`, read top to bottom): every drafter proposes
-   for its rows, the draft policy picks the round's draft cap from the rows' own acceptance and the
+   for its rows as far as the draft policy expects drafting to pay (`DraftPolicy.draft_length`: not at all
+   when its drafts would rarely be verified), the draft policy picks the round's draft cap from the rows' own acceptance and the
    batch's forward cost (0 when speculation does not pay at this batch size), one target forward
    verifies [last token, draft] of every row, and each
    row verifies, rescues (CSD) and emits on its own logits as if it ran alone;
@@ -25,6 +26,7 @@ no row's cache can be trusted then, and whoever drives the batch clears it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 
@@ -70,6 +72,9 @@ class Batch:
         # per drafter (by name): its state for this batch's sequences (draft caches, n-gram indexes)
         self.drafters: dict[str, BatchDrafter] = {}
         self._round_width = 0  # tokens the last decoding round fed (rows x (1 + draft cap))
+        # ids of the sequences whose drafter explores this round (`DraftPolicy.draft_length`): their drafts
+        # are verified in full
+        self._exploring: set[int] = set()
         # sequences the last step took out because their own verification or emission raised: the others
         # in the batch carry on; whoever drives the batch reports these
         self.failed: list[tuple[Generation, Exception]] = []
@@ -299,17 +304,18 @@ class Batch:
         return results
 
     def _cap(self, rows: list[Generation], drafts: list[Draft]) -> list[Draft]:
-        """Cut every row's draft to its cap from the draft policy (`DraftPolicy.choose_rows`)."""
-        speculating = [i for i, d in enumerate(drafts) if d.tokens]
+        """Cut every row's draft to its cap from the draft policy (`DraftPolicy.choose_rows`); a row whose
+        drafter explores this round keeps its whole draft (within the batch's token limit)."""
+        max_len = self.max_batched_tokens // len(rows) - 1
+        exploring = [i for i, d in enumerate(drafts) if d.tokens and id(rows[i]) in self._exploring]
+        speculating = [i for i, d in enumerate(drafts) if d.tokens and id(rows[i]) not in self._exploring]
         offers = [
             RowOffer(rows[i].drafter.name, drafts[i].key, len(drafts[i].tokens), rows[i].acceptance)
             for i in speculating
         ]
-        caps = self.policy.choose_rows(
-            offers, rows=len(rows), max_len=self.max_batched_tokens // len(rows) - 1
-        )
+        caps = self.policy.choose_rows(offers, rows=len(rows), max_len=max_len)
         drafts = list(drafts)
-        for i, cap in zip(speculating, caps, strict=True):
+        for i, cap in [*zip(speculating, caps, strict=True), *((i, max_len) for i in exploring)]:
             drafts[i] = drafts[i].cut(cap)
         return drafts
 
@@ -334,16 +340,35 @@ class Batch:
 
     def _propose(self, failed: dict[int, Exception]) -> list[Draft]:
         """Each running row's draft (empty when it does not speculate): one `propose` per drafter for all
-        of its rows. A row whose proposal raised is added to `failed`, with an empty draft."""
+        of its rows, as far as the draft policy expects drafting to pay (its time is measured for the
+        policy). A row whose proposal raised is added to `failed`, with an empty draft."""
         drafts = [Draft([]) for _ in self.running]
         by_drafter: dict[str, list[int]] = {}
         requests = [g.draft_row() for g in self.running]
+        self._exploring.clear()
         for index, (generation, request) in enumerate(zip(self.running, requests, strict=True)):
             if request is not None:
                 by_drafter.setdefault(generation.drafter.name, []).append(index)
         for name, indexes in by_drafter.items():
+            budget = max(requests[i].max_tokens for i in indexes)  # type: ignore[union-attr]
+            length, explore = self.policy.draft_length(name, len(indexes), len(self.running), budget)
+            if length <= 0:
+                continue
+            if explore:
+                self._exploring.update(id(self.running[i]) for i in indexes)
+            for i in indexes:
+                request = requests[i]
+                assert request is not None
+                requests[i] = dataclasses.replace(request, max_tokens=min(request.max_tokens, length))
+            started = time.perf_counter()
             try:
                 proposed = self.drafters[name].propose([requests[i] for i in indexes])
+                self.policy.observe_drafting(
+                    name,
+                    time.perf_counter() - started,
+                    [d.key if d.tokens else None for d in proposed],
+                    max((len(d.tokens) for d in proposed), default=0),
+                )
             except Exception as exc:
                 log.warning(
                     "drafter %r failed for %d row(s) (%r); asking each row alone", name, len(indexes), exc

@@ -151,3 +151,77 @@ def test_row_acceptance_forgets():
         own.observe(6, 0)
     trials, kept = own.tallies(0)
     assert kept / trials < 0.05
+
+
+# a forward whose width is dear, as the 4-bit forward on an AVX2 CPU (width 2 costs 1.45x width 1)
+DEAR_WIDTH = [1.0, 1.45, 1.9, 2.3, 2.7, 3.1, 3.5]
+
+
+def test_a_dear_drafter_whose_drafts_are_seldom_verified_is_not_run_but_explored():
+    """The served default once drafted six head positions every round and then verified none in half the
+    rounds: slower than plain decoding. Drafting now pays its own way, with an exploration now and then
+    (whose draft `Batch` verifies in full)."""
+    policy = DraftPolicy(DEAR_WIDTH, explore_every=4)
+    assert policy.draft_length("head", 1, 1, 6) == (6, False)  # nothing known yet: draft
+    for _ in range(50):
+        policy.observe("head", 0, drafted=6, kept=0)  # its drafts are rejected
+        policy.observe_drafting(
+            "head", seconds=0.06 * 6, keys=[0], positions=6
+        )  # 6 % of a forward a position
+    lengths = [policy.draft_length("head", 1, 1, 6) for _ in range(8)]
+    assert lengths == [(0, False)] * 3 + [(6, True)] + [(0, False)] * 3 + [(6, True)]
+
+
+def test_a_dear_drafter_drafts_where_its_confident_drafts_pay():
+    """Drafting reveals the draft's key, and the cap then chooses per key: a drafter worth running for its
+    confident half is run although its other half is never verified."""
+    policy = DraftPolicy(DEAR_WIDTH, explore_every=1000)
+    for _ in range(50):
+        policy.observe("head", 2, drafted=6, kept=6)
+        policy.observe("head", 0, drafted=6, kept=0)
+        policy.observe_drafting("head", seconds=0.01 * 6, keys=[2, 0], positions=6)
+    assert policy.draft_length("head", 1, 1, 6) == (6, False)
+    assert policy.choose("head", 2, 6) == 6 and policy.choose("head", 0, 6) == 0
+
+
+def test_a_drafter_that_costs_nothing_drafts_its_budget_and_the_cap_decides():
+    policy = DraftPolicy(DEAR_WIDTH, explore_every=1000)
+    for _ in range(50):
+        policy.observe("ngram", 2, drafted=6, kept=0)
+        policy.observe_drafting("ngram", seconds=0.0, keys=[2], positions=6)
+    assert policy.draft_length("ngram", 1, 1, 6) == (6, False)
+    assert policy.choose("ngram", 2, 6) == 0
+
+
+def test_a_batch_runs_a_dear_drafter_only_when_it_pays_and_stays_lossless(embedded):
+    """The real head on the embedded model, in an engine whose cost table makes every draft token dear and
+    whose policy has learned that the head's drafts are rejected: the head drafts only in exploring rounds
+    (every fourth round the policy would skip), those drafts are verified in full, and greedy SD still says
+    what plain decoding says."""
+    from ocm_store import InMemoryStore, Namespace
+    from service.decoding import Engine, HeadDrafter, SamplingParams, SpeculativeConfig, run_alone
+    from service.decoding.draft_head import EMBEDDED_HEAD_DIR
+    from service.decoding.text import encode_chat
+
+    policy = DraftPolicy([c * 0.02 for c in DEAR_WIDTH], explore_every=4)
+    for key in (0, 1, 2):
+        for _ in range(50):
+            policy.observe("head", key, drafted=6, kept=0)
+    policy.observe_drafting("head", seconds=0.1, keys=[0, 1, 2], positions=1)
+    engine = Engine(
+        embedded,
+        {"head": HeadDrafter(embedded, EMBEDDED_HEAD_DIR)},
+        {"head": InMemoryStore().memory(Namespace("t", "head", "v"))},
+        policy,
+    )
+    ids = encode_chat(embedded.tokenizer, [{"role": "user", "content": "Name three colours."}])
+    sampling = SamplingParams(max_tokens=24)
+    plain = engine.generate(ids, sampling, SpeculativeConfig(method="vanilla"), "head")
+    list(run_alone(plain))
+    generation = engine.generate(ids, sampling, SpeculativeConfig(method="sd"), "head")
+    steps = list(run_alone(generation))
+    assert [t.token_id for t in generation.tokens] == [t.token_id for t in plain.tokens]
+    # every fourth round drafts, and its draft is verified: the cap, which has learned the same rejections,
+    # would have cut it to nothing
+    drafted = [s.round.num_draft_tokens for s in steps]
+    assert len(steps) // 4 - 1 <= sum(1 for d in drafted if d) <= len(steps) // 4 + 1, drafted
