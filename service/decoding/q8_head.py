@@ -9,6 +9,8 @@ the 4-bit body's are: `q8_blocks`), and every logit is their dot product in fp32
 the fp32 head's. Measured on the embedded model's head (AMD EPYC with AVX512-BF16, 1 thread): 3.3 ms for one
 row against 7.8 for the oneDNN-packed fp32 head, 5.9 against 7.0 at 4 rows, 10.8 against 9.4 at 8; a whole
 forward of the embedded model (int4 body in bf16) 28.5 against 34.9 ms at width 1, 31.6 against 37.2 at 2.
+On AVX2 the kernel holds a row's 32 lanes in registers (the generic loop's stayed in memory): on an AVX2-only
+EPYC (Zen 3, 1 thread) 2.9 against 4.3-5.2 ms for the generic loop at one row, 6.2 against 7.9 at 4, same bits.
 
 Past Q8_MAX_ROWS rows (wide verifications, batches) the kernel, which is compute-bound (it decodes every
 weight block once per 8 rows and multiplies in fp32), loses to oneDNN's blocked sgemm (16 rows 22 vs 12 ms),
