@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from service.decoding import native
 from service.decoding.forward_costs import CONTEXT, MEASUREMENT_VERSION, ForwardCosts, row_counts
 from service.decoding.models import LoadedModel
 
@@ -45,6 +46,7 @@ def cost_key(target: LoadedModel, max_tokens: int, max_rows: int, pack_cpu_weigh
         "dtype": str(target.model.dtype),
         "weights": target.weights,
         "executor": target.executor,
+        "kernels": native.sources_digest() if target.executor != "eager" else None,
         "device": device.type,
         "accelerator": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "cpu": cpu_name(),

@@ -12,9 +12,10 @@ only where the file is 4-bit already (`gguf_is_4bit`) or the user says so.
 
 Two kernels multiply them:
 - **the project's** (`kernels/int4_linear.cpp`, compiled on first use for the CPU: `native`), where the input
-  features are a multiple of 64: the activations are quantised to 8 bits per group of 32 inside it, as llama.cpp
-  multiplies a Q4_1 weight (its Q8_1), and each row's products are exact integer dot products (AVX512-VNNI, or
-  AVX512BW / AVX2 byte multiplies), a weight block unpacked once for up to 8 rows. The rounding of the
+  features are a multiple of 32 and the outputs of 8: the activations are quantised to 8 bits per group of 32
+  inside it, as llama.cpp multiplies a Q4_1 weight (its Q8_1), and each row's products are exact integer dot
+  products (AVX2 byte multiplies, 8 columns interleaved so one instruction serves 8 of them: `pack_int4`), a
+  weight block unpacked once for up to 4 rows. The rounding of the
   activations meets q - 8, centred, not q: ~0.6 % of a product's norm on random data (bf16 rounding ~0.3 %).
   fp32 scales and minimums, fp32 or bf16 activations, a row's bits the same for any row and thread count.
   It also computes whole decoder layers around it (`fused_layers`), which is where most of its speed comes
@@ -84,18 +85,33 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Te
     return (q.float() - 8) * scale + zero
 
 
+KERNEL_COLUMNS = 8  # output columns the kernel's layout interleaves
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] (0..15, K a multiple of 64) in `kernels/int4_linear.cpp`'s layout, [N, K / 2] uint8: per row,
-    groups of 128 weights as 64 bytes (byte j: weight j in the low nibble, 64 + j in the high one), then where
-    K is an odd multiple of 64 a chunk of 64 as 32 bytes (byte j: weights j and 32 + j)."""
+    """q [N, K] (0..15; N a multiple of 8, K of 32) in `kernels/int4_linear.cpp`'s layout, [N, K / 2] uint8 in
+    memory order [N / 8, K / 32, 4, 8, 4]: per group of 8 columns and block of 32 weights, four runs of 32 bytes;
+    in run i, column c's 4 bytes hold its block weights 4i..4i + 3 in the low nibbles and 16 + 4i..16 + 4i + 3
+    in the high ones (one 32-bit lane a column)."""
     n, k = q.shape
-    full = k // 128 * 128
-    grouped = q[:, :full].reshape(n, k // 128, 2, 64).to(torch.uint8)
-    parts = [(grouped[:, :, 0] | (grouped[:, :, 1] << 4)).reshape(n, full // 2)]
-    if k > full:
-        tail = q[:, full:].reshape(n, 2, 32).to(torch.uint8)
-        parts.append(tail[:, 0] | (tail[:, 1] << 4))
-    return torch.cat(parts, dim=1).contiguous()
+    cols = KERNEL_COLUMNS
+    # [group, column, block, half (weights 0..15 or 16..31), run i, byte e] -> [group, block, run, column, byte]
+    g = q.reshape(n // cols, cols, k // GROUP, 2, 4, 4).to(torch.uint8).permute(0, 2, 4, 1, 5, 3)
+    return (g[..., 0] | (g[..., 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def interleave_blocks(t: torch.Tensor) -> torch.Tensor:
+    """Per-block values [N, K / 32] (scales, minimums) in the kernel's order, [N / 8, K / 32, 8] held as
+    [N, K / 32]: a block's 8 interleaved columns read as one vector."""
+    n, blocks = t.shape
+    return (
+        t.reshape(n // KERNEL_COLUMNS, KERNEL_COLUMNS, blocks).transpose(1, 2).contiguous().reshape(n, blocks)
+    )
+
+
+def kernel_supports(in_features: int, out_features: int) -> bool:
+    """Whether the project's kernel can hold a layer of this shape (else torch's int4 kernel runs it)."""
+    return in_features % GROUP == 0 and out_features % KERNEL_COLUMNS == 0
 
 
 def int4_kernel() -> Callable[..., torch.Tensor] | None:
@@ -109,7 +125,7 @@ class Int4Linear(torch.nn.Module):
     """An `nn.Linear` with 4-bit grouped weights (any leading shape; returns its input's dtype, bf16 or fp32).
     Buffers, not parameters: nothing trains them, and a saved model never holds them (derived at load).
 
-    With the project's kernel (`kernels/int4_linear.cpp`, built on first use; K a multiple of 64) the
+    With the project's kernel (`kernels/int4_linear.cpp`, built on first use; `kernel_supports`) the
     activations are quantised to 8 bits per group of 32 inside it, as llama.cpp multiplies a Q4_1 weight;
     otherwise torch's int4 kernel runs, on the activations rounded to bf16."""
 
@@ -119,13 +135,13 @@ class Int4Linear(torch.nn.Module):
         self.out_features = linear.out_features
         q, scale, low = _groups(linear.weight)
         q = q.reshape(linear.weight.shape)
-        self._kernel = int4_kernel() if self.in_features % 64 == 0 else None
+        self._kernel = int4_kernel() if kernel_supports(self.in_features, self.out_features) else None
         if self._kernel is not None:
             self.register_buffer("packed_weight", pack_int4(q), persistent=False)
             # fp32 scales and minimums held as their bits (int32), so casting the body to bf16 (`model.to`)
-            # leaves them as they are; `scale` and `low` read them as fp32
-            self.register_buffer("scale_bits", scale.contiguous().view(torch.int32), persistent=False)
-            self.register_buffer("low_bits", low.contiguous().view(torch.int32), persistent=False)
+            # leaves them as they are; `scale` and `low` read them as fp32, in the kernel's interleaved order
+            self.register_buffer("scale_bits", interleave_blocks(scale).view(torch.int32), persistent=False)
+            self.register_buffer("low_bits", interleave_blocks(low).view(torch.int32), persistent=False)
         else:
             self.register_buffer(
                 "packed_weight",
@@ -139,12 +155,12 @@ class Int4Linear(torch.nn.Module):
 
     @property
     def scale(self) -> torch.Tensor:
-        """The groups' scales d [N, K / GROUP], fp32 (the project's kernel only)."""
+        """The groups' scales d, fp32, in the kernel's order (`interleave_blocks`; the project's kernel only)."""
         return self.scale_bits.view(torch.float32)
 
     @property
     def low(self) -> torch.Tensor:
-        """The groups' minimums m [N, K / GROUP], fp32 (the project's kernel only)."""
+        """The groups' minimums m, fp32, in the kernel's order (`interleave_blocks`; the project's kernel only)."""
         return self.low_bits.view(torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,13 +237,19 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def quantize_linear_layers(model: torch.nn.Module) -> int:
     """Replace every plain `nn.Linear` of the model's body (not its LM head, whose logits stay fp32; not a
-    layer whose input features are not a multiple of GROUP) by 4-bit weights, from the weights as they are
+    layer whose input features are not a multiple of GROUP, or whose outputs not of 16, which both kernels need)
+    by 4-bit weights, from the weights as they are
     (call it on the fp32 weights, before any cast to bf16): siblings that read one input (FUSED_SIBLINGS)
     as one `Int4Projections`, the rest as `Int4Linear`. Returns how many layers were replaced."""
     head = model.get_output_embeddings()
 
     def quantisable(child: object) -> bool:
-        return type(child) is torch.nn.Linear and child is not head and child.in_features % GROUP == 0
+        return (
+            type(child) is torch.nn.Linear
+            and child is not head
+            and child.in_features % GROUP == 0
+            and child.out_features % 16 == 0
+        )
 
     replaced = 0
     for module in list(model.modules()):

@@ -42,6 +42,15 @@ def isa_flags() -> tuple[str, ...]:
 
 
 @functools.cache
+def sources_digest() -> str:
+    """A digest of every kernel's source: forward costs measured on one version of the kernels are not reused
+    by another (`cost_cache.cost_key`)."""
+    digest = hashlib.sha256()
+    for source in sorted(KERNELS.glob("*.cpp")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def build(name: str) -> ModuleType | None:
     """The extension module compiled from `kernels/<name>.cpp`, or None where it cannot be built (logged)."""
     source = KERNELS / f"{name}.cpp"

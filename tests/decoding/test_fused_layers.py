@@ -16,11 +16,9 @@ import torch
 from service.decoding import load_model, native
 from service.decoding.cpu_kernels import default_cpu_dtype
 from service.decoding.int4_weights import (
-    GROUP,
-    Int4Linear,
     dequantize_int4,
-    int4_kernel,
     int4_supported,
+    interleave_blocks,
     pack_int4,
     quantize_int4,
 )
@@ -54,32 +52,44 @@ def int4_weight(n: int, k: int, seed: int):
     q, scales_and_zeros = quantize_int4(weight)
     scale = scales_and_zeros[..., 0].t().contiguous()
     low = (scales_and_zeros[..., 1] - 8 * scales_and_zeros[..., 0]).t().contiguous()
-    return (pack_int4(q), scale, low), dequantize_int4(q, scales_and_zeros)
+    return (pack_int4(q), interleave_blocks(scale), interleave_blocks(low)), dequantize_int4(
+        q, scales_and_zeros
+    )
 
 
 def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """The layout `pack_int4` documents, read back: 128-weight groups of 64 bytes, then a 64-weight chunk."""
+    """The layout `pack_int4` documents, read back byte by byte: per group of 8 columns and block of 32, four
+    runs of 32 bytes, column c's bytes 4c..4c + 3 of run i holding its weights 4i + e (low nibble) and
+    16 + 4i + e (high nibble)."""
     n = packed.shape[0]
-    full = k // 128 * 128
-    low, high = (packed & 0x0F).long(), (packed >> 4).long()
-    groups = torch.stack([low[:, : full // 2], high[:, : full // 2]], dim=1)  # [n, 2, full / 2]
-    parts = [groups.reshape(n, 2, full // 128, 64).permute(0, 2, 1, 3).reshape(n, full)]
-    if k > full:
-        parts += [low[:, full // 2 :], high[:, full // 2 :]]
-    return torch.cat(parts, dim=1)
+    flat = packed.reshape(-1).tolist()
+    q = torch.empty(n, k, dtype=torch.long)
+    for row in range(n):
+        group, c = divmod(row, 8)
+        for block in range(k // 32):
+            base = (group * (k // 32) + block) * 128
+            for i in range(4):
+                for e in range(4):
+                    byte = flat[base + 32 * i + 4 * c + e]
+                    q[row, block * 32 + 4 * i + e] = byte & 0x0F
+                    q[row, block * 32 + 16 + 4 * i + e] = byte >> 4
+    return q
 
 
-@pytest.mark.parametrize("k", [576, 1536, 64])  # an odd multiple of 64 (a 32-byte tail), of 128, one chunk
+@pytest.mark.parametrize("k", [576, 96, 32])
 def test_the_packing_holds_every_weight_where_the_kernel_reads_it(k):
-    q = torch.randint(0, 16, (5, k), generator=torch.Generator().manual_seed(k), dtype=torch.int32)
+    q = torch.randint(0, 16, (16, k), generator=torch.Generator().manual_seed(k), dtype=torch.int32)
     packed = pack_int4(q)
-    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (5, k // 2)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (16, k // 2)
     assert torch.equal(unpack_int4(packed, k), q.long())
+    values = torch.arange(16 * (k // 32), dtype=torch.float32).reshape(16, k // 32)
+    interleaved = interleave_blocks(values).reshape(2, k // 32, 8)  # [group, block, column]
+    assert torch.equal(interleaved[1, :, 3], values[8 + 3])
 
 
-@pytest.mark.parametrize("k", [576, 1536])
+@pytest.mark.parametrize("k", [576, 1536, 96])
 def test_the_4bit_kernel_computes_the_dequantised_product(kernels, k):
-    (packed, scale, low), dense = int4_weight(300, k, seed=1)
+    (packed, scale, low), dense = int4_weight(296, k, seed=1)
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
     exact = x.double() @ dense.double().T
     got = kernels.int4_linear(x, packed, scale, low)
@@ -103,7 +113,7 @@ def test_the_4bit_kernel_gives_a_row_the_same_bits_for_any_row_and_thread_count(
         alone = torch.cat(
             [kernels.int4_linear(x[i : i + 1].contiguous(), packed, scale, low) for i in range(19)]
         )
-        for count in range(2, 20):  # every tile of 8, 4, 2 and 1 rows, and mixes of them
+        for count in range(2, 20):  # every tile of 4, 2 and 1 rows, and mixes of them
             assert torch.equal(kernels.int4_linear(x[:count].contiguous(), packed, scale, low), alone[:count])
     finally:
         torch.set_num_threads(before)
@@ -113,8 +123,11 @@ def test_the_4bit_kernel_refuses_what_it_cannot_read(kernels):
     (packed, scale, low), _ = int4_weight(8, 576, seed=5)
     with pytest.raises(RuntimeError):
         kernels.int4_linear(torch.randn(2, 576, dtype=torch.float64), packed, scale, low)
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        kernels.int4_linear(torch.randn(2, 544), packed, scale, low)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.int4_linear(torch.randn(2, 560), packed, scale, low)
+    (packed, scale, low), _ = int4_weight(16, 576, seed=5)  # 12 of its 16 columns: not whole groups of 8
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        kernels.int4_linear(torch.randn(2, 576), packed[:12].contiguous(), scale[:12], low[:12])
 
 
 def gqa_inputs(batch: int, length: int, keys: int, seed: int):
@@ -232,10 +245,16 @@ def test_without_the_kernel_the_model_runs_transformers_layers_on_torchs_int4_ke
     assert "int4_linear kernel could not be built" in out.stderr
 
 
-def test_a_layer_whose_input_is_not_a_multiple_of_64_keeps_torchs_kernel(kernels):
-    linear = torch.nn.Linear(3 * GROUP, 16, bias=False)  # 96 features: whole groups, not whole chunks
-    layer = Int4Linear(linear)
-    assert layer._kernel is None
-    with torch.inference_mode():
-        assert layer(torch.randn(2, 96)).shape == (2, 16)
-    assert int4_kernel() is not None
+def test_a_layer_neither_kernel_can_hold_stays_dense(kernels):
+    """Torch's int4 packing needs outputs in multiples of 16, the project's kernel of 8 and inputs of 32: a
+    layer that is not whole groups keeps its dense weights, beside one that is quantised."""
+    from service.decoding.int4_weights import quantize_linear_layers
+
+    class Body(torch.nn.Sequential):
+        def get_output_embeddings(self) -> None:  # what a transformers model answers; no head here
+            return None
+
+    model = Body(torch.nn.Linear(96, 12), torch.nn.Linear(12, 16), torch.nn.Linear(96, 16))
+    assert quantize_linear_layers(model) == 1
+    assert [type(m).__name__ for m in model] == ["Linear", "Linear", "Int4Linear"]
+    assert model[2]._kernel is not None

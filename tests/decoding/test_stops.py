@@ -16,9 +16,11 @@ from service.decoding import Engine, NgramDrafter, SamplingParams, SpeculativeCo
 from service.decoding.text import IncrementalDetokenizer, StopMatcher, encode_chat, encode_prompt
 
 METHODS = [("vanilla", 0), ("sd", 6)]
-# answered in one sentence that ends by EOS ("The capital of Italy is Rome."). Not France: in bf16 its first
-# token is an exact tie ("The" and "L" both 25.625), and the answer that wins the tie runs on.
-CAPITAL = "What is the capital of Italy?"
+# answered in one sentence that ends by EOS ("The capital of Japan is Tokyo."), in fp32 and on the 4-bit path.
+# Not France: in bf16 its first token is an exact tie ("The" and "L" both 25.625), and the answer that wins the
+# tie runs on. Not Italy: its first token "Il" starts a near-tie answer that ran on ("Il Corriere dii, ...")
+# once the 4-bit kernel summed its blocks in another order.
+CAPITAL = "What is the capital of Japan?"
 # a completion prompt that the model continues by repeating it: long multi-token rounds
 WEEK = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday, Wednesday,"
 MULTIBYTE = "😀🎉 café naïve 日本語 ½ Ωmega\n😀🎉 café naïve 日本語 ½ Ωmega\n😀🎉 café"

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from service.decoding import native
 from service.decoding.paths import default_cache_dir
 from tests.test_cli import csd
 
@@ -48,6 +49,8 @@ def test_vanilla_measures_nothing_and_a_second_start_reads_the_cache(cache_dir):
     # generate: one row; the threads of CSD_TORCH_THREADS
     assert saved["key"]["rows"] == [1] and saved["key"]["threads"] == 1
     assert saved["key"]["model"].startswith("SmolLM2-135M-Instruct@")
+    # the embedded model runs on the project's kernels: a table measured on other kernel sources is not reused
+    assert saved["key"]["kernels"] == native.sources_digest()
 
     second = run(cache_dir, "--method", "csd")
     assert FROM_CACHE in second and MEASURED not in second

@@ -1,20 +1,25 @@
 // y = x W^T for a weight held as 4-bit blocks (GGUF's Q4_1: 32 weights w = d * q + m, q in 0..15), the
-// activations quantised to 8 bits per block of 32 as llama.cpp does (its Q8_1): a weight block is read and
-// unpacked once for up to 8 rows, and each row's products are exact integer dot products (AVX512-VNNI
-// `vpdpbusd`, or `vpmaddubsw` + `vpmaddwd` on AVX512BW and AVX2). See service/decoding/int4_weights.py for why.
+// activations quantised to 8 bits per block of 32 as llama.cpp does (its Q8_1), each product an exact integer
+// dot product. See service/decoding/int4_weights.py for why.
 //
 // For row r, column n and block b, with the row's block quantised as x ~ a * xq (a = max|x| / 127, xq in
 // -127..127), s = the block's exact fp32 sum of x and c = 8 (s - a * sum xq):
 //     sum_k x_k w_k = d * sum_k (q_k - 8) x_k + (m + 8 d) s  ~  d * a * sum_k q_k xq_k + m * s + d * c
 // The rounding errors of xq meet q - 8 (centred), not q (0..15): half the error of the plain product.
+//
+// Weight layout (made by `pack_int4` in int4_weights.py): columns in groups of 8, and per group and block 128
+// bytes, four runs of 32: in run i, the 4 bytes of column c (bytes 4c..4c + 3) hold the column's block weights
+// 4i..4i + 3 in their low nibbles and 16 + 4i..16 + 4i + 3 in their high ones. The scales d and minimums m
+// follow the same order, [N / 8, K / 32, 8]. So one 32-byte run, times a row's 4 activation bytes broadcast
+// to every lane, gives 8 columns' partial dot products at once, one column per 32-bit lane (llama.cpp's
+// repacked AVX2 GEMM layout does the same): the integer sums of a block land in one vector, and its
+// conversion and scaling run once for 8 columns instead of once per column, which is what bounded the
+// one-column layout past one row (2.4 instead of 5 vector instructions per block, row and column on AVX2).
+//
 // Every output (r, n) is computed by the same instructions in the same order whatever the number of rows and
 // threads (a row's quantisation depends on the row alone, integer sums are exact, the fp32 combination runs
-// lane by lane in a fixed order and is summed in a fixed order), so a row has the same bits alone or in a batch.
-//
-// Weight layout (made by `pack_int4` in int4_weights.py), per output column: K / 128 groups of 64 bytes, byte j
-// of group g holding weight 128 g + j in its low nibble and 128 g + 64 + j in its high one; then, where K is an
-// odd multiple of 64, one chunk of 32 bytes, byte j holding weights 128 G + j and 128 G + 32 + j. One 64-byte
-// load thus unpacks into two runs of 64 consecutive weights (two blocks each), in order.
+// block after block in a fixed order in the column's own lane), so a row has the same bits alone or in a
+// batch: what strict speculative decoding and batch invariance need.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -27,10 +32,7 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define CSD_INT4_AVX512 1
-#include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
 #define CSD_INT4_AVX2 1
 #include <immintrin.h>
 #endif
@@ -38,15 +40,13 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kChunk = 64;   // two blocks: what one 32-byte run of nibbles holds
-constexpr int64_t kGroup = 128;  // four blocks: one 64-byte load
-constexpr int kMaxTile = 8;      // rows that share one read of a weight block
+constexpr int64_t kColumns = 8;     // columns interleaved in the packed layout (one per 32-bit lane)
+constexpr int64_t kGroupBytes = 128;  // one block of 8 columns
+constexpr int kMaxTile = 4;         // rows that share one read of a block: 2 of AVX2's 16 registers a row
 
-// A call's activations, quantised per block (see the top), chunk-major so that the rows of a tile sit side by
-// side for each chunk of 64 (one pointer a tile, each row at a fixed offset from it, where row-major addressing
-// spent more instructions on addresses than on arithmetic and spilled them): xq [K / 64, R, 64] int8; scale
-// [K / 64, R, 16] (a chunk's two block scales a, each over the 8 lanes its block's dot products land in); sums
-// and corrections [R, K / 32] (s and c). Held in buffers of the calling thread, reused call after call: an
+// A call's activations, quantised per block (see the top), block-major so that the rows of a tile sit side by
+// side for each block (one pointer a tile, each row at a fixed offset): xq [K / 32, R, 32] int8; the scales a,
+// sums s and corrections c [K / 32, R]. Held in buffers of the calling thread, reused call after call: an
 // allocation costs about what a one-row call of a small layer does.
 struct Quantised {
   const int8_t* xq;
@@ -57,12 +57,12 @@ template <typename In>
 Quantised quantise(const In* x, int64_t rows, int64_t k) {
   thread_local std::vector<int8_t> xq_buffer;
   thread_local std::vector<float> float_buffer;
-  const int64_t blocks = k / kBlock, chunks = k / kChunk;
-  xq_buffer.resize(static_cast<size_t>(rows * k) + 64);
-  float_buffer.resize(static_cast<size_t>(rows * (chunks * 16 + 2 * blocks)));
+  const int64_t blocks = k / kBlock;
+  xq_buffer.resize(static_cast<size_t>(rows * k));
+  float_buffer.resize(static_cast<size_t>(3 * rows * blocks));
   int8_t* xq = xq_buffer.data();
   float* scale = float_buffer.data();
-  float* sums = scale + rows * chunks * 16;
+  float* sums = scale + rows * blocks;
   float* corrections = sums + rows * blocks;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
@@ -76,214 +76,98 @@ Quantised quantise(const In* x, int64_t rows, int64_t k) {
       }
       const float a = amax / 127.f;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* qb = xq + ((b / 2) * rows + r) * kChunk + (b % 2) * kBlock;
+      int8_t* qb = xq + (b * rows + r) * kBlock;
       int32_t qsum = 0;
       for (int i = 0; i < kBlock; ++i) {
         qb[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
         qsum += qb[i];
       }
-      float* lanes = scale + ((b / 2) * rows + r) * 16 + (b % 2) * 8;
-      for (int i = 0; i < 8; ++i) lanes[i] = a;
-      sums[r * blocks + b] = sum;
-      corrections[r * blocks + b] = 8.f * (sum - a * static_cast<float>(qsum));
+      scale[b * rows + r] = a;
+      sums[b * rows + r] = sum;
+      corrections[b * rows + r] = 8.f * (sum - a * static_cast<float>(qsum));
     }
   }
   return Quantised{xq, scale, sums, corrections};
 }
 
-// weight i of a column, from the layout above (the portable path and nothing hot)
-inline int nibble(const uint8_t* w, int64_t k, int64_t i) {
-  const int64_t full = (k / kGroup) * kGroup;
-  if (i < full) {
-    const int64_t g = i / kGroup, r = i % kGroup;
-    const uint8_t byte = w[g * 64 + r % 64];
-    return r >= 64 ? byte >> 4 : byte & 0x0F;
-  }
-  const int64_t r = i - full;
-  const uint8_t byte = w[full / 2 + r % 32];
-  return r >= 32 ? byte >> 4 : byte & 0x0F;
-}
+#if CSD_INT4_AVX2
 
-#if CSD_INT4_AVX512
-
-inline __m512i dot_u8s8(__m512i w, __m512i x) {
-#ifdef __AVX512VNNI__
-  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-#else
-  return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1));
-#endif
-}
-
-// sum over the column's blocks of m * s + d * c: a fixed-order dot product
-inline float block_terms(const float* m, const float* d, const float* s, const float* c, int64_t blocks) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 16 <= blocks; b += 16) {
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(m + b), _mm512_loadu_ps(s + b), acc);
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(d + b), _mm512_loadu_ps(c + b), acc);
-  }
-  if (b < blocks) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (blocks - b)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, m + b), _mm512_maskz_loadu_ps(tail, s + b), acc);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, d + b), _mm512_maskz_loadu_ps(tail, c + b), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
-// two blocks' scales d (at d[0], d[1]), each over 8 lanes
-inline __m512 pair_scales(const float* d) {
-  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(halves,
-                               _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d)))));
-}
-
-// T rows (at xq and scale, the tile's first row, in the chunk-major layout of `rows` rows) times one column
+// T rows (from row r0 of the `rows` quantised) times one group of 8 columns: w, d and m at the group's start
 template <int T, typename Out>
-inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
-                        const int8_t* __restrict xq, const float* __restrict scale, const float* __restrict sums,
-                        const float* __restrict corrections, int64_t k, int64_t rows, Out* __restrict out,
-                        int64_t out_stride) {
-  const int64_t chunks = k / kChunk, blocks = k / kBlock, groups = k / kGroup;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  // two accumulators a row (a group's low and high halves) so even one row keeps two fused multiply-adds in
-  // flight; every row, in every tile size, sums them the same way
-  __m512 lo_acc[T], hi_acc[T];
-#pragma GCC unroll 8
-  for (int t = 0; t < T; ++t) lo_acc[t] = hi_acc[t] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m512i v = _mm512_loadu_si512(w + g * 64);
-    const __m512i q0 = _mm512_and_si512(v, low);
-    const __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    const __m512 d0 = pair_scales(d + 4 * g), d1 = pair_scales(d + 4 * g + 2);
-    // chunks 2g (weights 128g + 0..63) and 2g + 1 (128g + 64..127), each with the tile's rows side by side
-    const int8_t* x0 = xq + 2 * g * rows * kChunk;
-    const int8_t* x1 = x0 + rows * kChunk;
-    const float* a0 = scale + 2 * g * rows * 16;
-    const float* a1 = a0 + rows * 16;
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      const __m512 s0 = _mm512_mul_ps(d0, _mm512_loadu_ps(a0 + t * 16));
-      const __m512 s1 = _mm512_mul_ps(d1, _mm512_loadu_ps(a1 + t * 16));
-      lo_acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(q0, _mm512_loadu_si512(x0 + t * kChunk))), s0, lo_acc[t]);
-      hi_acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(q1, _mm512_loadu_si512(x1 + t * kChunk))), s1, hi_acc[t]);
-    }
-  }
-  if (chunks % 2) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + groups * 64));
-    const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
-    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    const __m512 dv = pair_scales(d + 4 * groups);
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      const __m512 s = _mm512_mul_ps(dv, _mm512_loadu_ps(scale + ((chunks - 1) * rows + t) * 16));
-      const __m512i x = _mm512_loadu_si512(xq + ((chunks - 1) * rows + t) * kChunk);
-      lo_acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(q, x)), s, lo_acc[t]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int t = 0; t < T; ++t) {
-    const float y = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[t], hi_acc[t])) +
-                    block_terms(m, d, sums + t * blocks, corrections + t * blocks, blocks);
-    out[t * out_stride] = static_cast<Out>(y);
-  }
-}
-
-#elif CSD_INT4_AVX2
-
-inline __m256i dot_u8s8(__m256i w, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-}
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-
-inline float block_terms(const float* m, const float* d, const float* s, const float* c, int64_t blocks) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(s + b), acc);
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(d + b), _mm256_loadu_ps(c + b), acc);
-  }
-  float y = hsum(acc);
-  for (; b < blocks; ++b) y = std::fma(d[b], c[b], std::fma(m[b], s[b], y));
-  return y;
-}
-
-// one block (32 weights at `q`, unpacked) against T rows' block: row t's at x + t * 64, its scales at a + t * 16
-template <int T>
-inline void block_rows(__m256i q, float d, const int8_t* __restrict x, const float* __restrict a, __m256* acc) {
-  const __m256 dv = _mm256_set1_ps(d);
-#pragma GCC unroll 8
-  for (int t = 0; t < T; ++t) {
-    const __m256i xt = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + t * kChunk));
-    const __m256 s = _mm256_mul_ps(dv, _mm256_loadu_ps(a + t * 16));
-    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, xt)), s, acc[t]);
-  }
-}
-
-// T rows (at xq and scale, the tile's first row, in the chunk-major layout of `rows` rows) times one column
-template <int T, typename Out>
-inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
-                        const int8_t* __restrict xq, const float* __restrict scale, const float* __restrict sums,
-                        const float* __restrict corrections, int64_t k, int64_t rows, Out* __restrict out,
-                        int64_t out_stride) {
-  const int64_t chunks = k / kChunk, blocks = k / kBlock, groups = k / kGroup;
-  const int64_t x_step = rows * kChunk, a_step = rows * 16;  // from one chunk to the next
+inline void group_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
+                       const Quantised& xs, int64_t r0, int64_t rows, int64_t blocks, Out* __restrict out,
+                       int64_t out_stride) {
   const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[T];
+#pragma GCC unroll 4
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    // the group's first 32 bytes: blocks 4g (low nibbles) and 4g + 2 (high); the next 32: 4g + 1 and 4g + 3.
-    // Block b is the (b % 2) half of chunk b / 2.
-    const int8_t* x0 = xq + 2 * g * x_step;
-    const float* a0 = scale + 2 * g * a_step;
-    for (int half = 0; half < 2; ++half) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + half * 32));
-      const int64_t b = 4 * g + half;
-      block_rows<T>(_mm256_and_si256(v, low), d[b], x0 + half * kBlock, a0 + half * 8, acc);
-      block_rows<T>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), d[b + 2], x0 + x_step + half * kBlock,
-                    a0 + a_step + half * 8, acc);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * kGroupBytes;
+    const int8_t* xb = xs.xq + (b * rows + r0) * kBlock;
+    // per row, the block's 8 columns' integer dot products as 16-bit pairs: each of the 8 products summed
+    // here is at most 2 * 15 * 127 in magnitude, so their sum (30,480) fits
+    __m256i pairs[T];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i));
+      const __m256i lo = _mm256_and_si256(v, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) {
+        int32_t x_lo, x_hi;  // the row's activation bytes 4i..4i + 3 and 16 + 4i..16 + 4i + 3
+        std::memcpy(&x_lo, xb + t * kBlock + 4 * i, 4);
+        std::memcpy(&x_hi, xb + t * kBlock + 16 + 4 * i, 4);
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x_lo)),
+                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x_hi)));
+        pairs[t] = i == 0 ? p : _mm256_add_epi16(pairs[t], p);
+      }
+    }
+    const __m256 dv = _mm256_loadu_ps(d + b * kColumns);
+    const __m256 mv = _mm256_loadu_ps(m + b * kColumns);
+    const float* a = xs.scale + b * rows + r0;
+    const float* s = xs.sums + b * rows + r0;
+    const float* c = xs.corrections + b * rows + r0;
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[t], ones));
+      acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(a[t])), acc[t]);
+      acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(s[t]), acc[t]);
+      acc[t] = _mm256_fmadd_ps(dv, _mm256_set1_ps(c[t]), acc[t]);
     }
   }
-  if (chunks % 2) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + groups * 64));
-    const int64_t b = 4 * groups;
-    const int8_t* x0 = xq + (chunks - 1) * x_step;
-    const float* a0 = scale + (chunks - 1) * a_step;
-    block_rows<T>(_mm256_and_si256(v, low), d[b], x0, a0, acc);
-    block_rows<T>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), d[b + 1], x0 + kBlock, a0 + 8, acc);
-  }
   for (int t = 0; t < T; ++t) {
-    const float y = hsum(acc[t]) + block_terms(m, d, sums + t * blocks, corrections + t * blocks, blocks);
-    out[t * out_stride] = static_cast<Out>(y);
+    alignas(32) float y[kColumns];
+    _mm256_store_ps(y, acc[t]);
+    for (int j = 0; j < kColumns; ++j) out[t * out_stride + j] = static_cast<Out>(y[j]);
   }
 }
 
-#else  // portable: the same arithmetic, one block at a time
+#else  // portable: the same arithmetic, one column at a time
 
 template <int T, typename Out>
-inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
-                        const int8_t* __restrict xq, const float* __restrict scale, const float* __restrict sums,
-                        const float* __restrict corrections, int64_t k, int64_t rows, Out* __restrict out,
-                        int64_t out_stride) {
-  const int64_t blocks = k / kBlock;
+inline void group_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
+                       const Quantised& xs, int64_t r0, int64_t rows, int64_t blocks, Out* __restrict out,
+                       int64_t out_stride) {
   for (int t = 0; t < T; ++t) {
-    float y = 0.f;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int8_t* x = xq + ((b / 2) * rows + t) * kChunk + (b % 2) * kBlock;
-      int32_t dot = 0;
-      for (int j = 0; j < kBlock; ++j) dot += nibble(w, k, b * kBlock + j) * x[j];
-      y = std::fma(static_cast<float>(dot), d[b] * scale[((b / 2) * rows + t) * 16 + (b % 2) * 8], y);
+    for (int64_t j = 0; j < kColumns; ++j) {
+      float y = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* wb = w + b * kGroupBytes;
+        const int8_t* x = xs.xq + (b * rows + r0 + t) * kBlock;
+        int32_t dot = 0;
+        for (int i = 0; i < 16; ++i) {  // weight i in a low nibble, 16 + i in the high one
+          const uint8_t byte = wb[32 * (i / 4) + 4 * j + i % 4];
+          dot += (byte & 0x0F) * x[i] + (byte >> 4) * x[16 + i];
+        }
+        const int64_t at = b * rows + r0 + t;
+        const float dj = d[b * kColumns + j];
+        y = std::fma(static_cast<float>(dot), dj * xs.scale[at], y);
+        y = std::fma(m[b * kColumns + j], xs.sums[at], y);
+        y = std::fma(dj, xs.corrections[at], y);
+      }
+      out[t * out_stride + j] = static_cast<Out>(y);
     }
-    float terms = 0.f;
-    for (int64_t b = 0; b < blocks; ++b) {
-      terms = std::fma(d[b], corrections[t * blocks + b], std::fma(m[b], sums[t * blocks + b], terms));
-    }
-    out[t * out_stride] = static_cast<Out>(y + terms);
   }
 }
 
@@ -292,27 +176,21 @@ inline void column_rows(const uint8_t* __restrict w, const float* __restrict d, 
 template <typename Out>
 void run(const Quantised& xs, const uint8_t* w, const float* d, const float* m, int64_t rows, int64_t k,
          int64_t n_out, Out* out) {
-  const int8_t* xq = xs.xq;
-  const float* scale = xs.scale;
-  const float* sums = xs.sums;
-  const float* corrections = xs.corrections;
   const int64_t blocks = k / kBlock;
-  // columns split across threads, every column computed whole by one thread: a row's bits do not depend on
-  // the thread count either
-  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* wn = w + n * (k / 2);
-      const float* dn = d + n * blocks;
-      const float* mn = m + n * blocks;
+  // column groups split across threads, every column computed whole by one thread: a row's bits do not depend
+  // on the thread count either
+  at::parallel_for(0, n_out / kColumns, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* wg = w + g * blocks * kGroupBytes;
+      const float* dg = d + g * blocks * kColumns;
+      const float* mg = m + g * blocks * kColumns;
       int64_t r = 0;
       auto tile = [&](auto size) {
         constexpr int T = decltype(size)::value;
-        column_rows<T>(wn, dn, mn, xq + r * kChunk, scale + r * 16, sums + r * blocks, corrections + r * blocks, k,
-                       rows, out + r * n_out + n, n_out);
+        group_rows<T>(wg, dg, mg, xs, r, rows, blocks, out + r * n_out + g * kColumns, n_out);
         r += T;
       };
       while (rows - r >= kMaxTile) tile(std::integral_constant<int, kMaxTile>{});
-      if (rows - r >= 4) tile(std::integral_constant<int, 4>{});
       if (rows - r >= 2) tile(std::integral_constant<int, 2>{});
       if (rows - r >= 1) tile(std::integral_constant<int, 1>{});
     }
@@ -329,7 +207,8 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
                   m.is_contiguous(),
               "d, m: contiguous fp32 [N, K / 32]");
   const int64_t rows = x.size(0), k = x.size(1), n_out = w.size(0);
-  TORCH_CHECK(k % kChunk == 0 && w.size(1) == k / 2, "K must be a multiple of 64 and match the weight");
+  TORCH_CHECK(k % kBlock == 0 && w.size(1) == k / 2, "K must be a multiple of 32 and match the weight");
+  TORCH_CHECK(n_out % kColumns == 0, "N must be a multiple of 8");
   TORCH_CHECK(d.numel() == n_out * (k / kBlock) && m.numel() == n_out * (k / kBlock), "d, m: [N, K / 32]");
   auto out = torch::empty({rows, n_out}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -361,6 +240,7 @@ Int4Weight int4_weight(const torch::Tensor& w, const torch::Tensor& d, const tor
   TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && m.scalar_type() == torch::kFloat32 &&
                   m.is_contiguous() && d.numel() == w.size(0) * (k / kBlock) && m.numel() == d.numel(),
               "scales and mins [N, K / 32]");
+  TORCH_CHECK(w.size(0) % kColumns == 0, "a 4-bit weight's N must be a multiple of 8");
   return Int4Weight{w.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), w.size(0)};
 }
 
@@ -394,7 +274,7 @@ std::vector<torch::Tensor> norm_qkv_rope(const torch::Tensor& x, const torch::Te
                                          int64_t kv_heads) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [B, T, H]");
   const int64_t batch = x.size(0), length = x.size(1), h = x.size(2), rows = batch * length;
-  TORCH_CHECK(h % kChunk == 0, "the hidden size must be a multiple of 64");
+  TORCH_CHECK(h % kBlock == 0, "the hidden size must be a multiple of 32");
   const Int4Weight qkv = int4_weight(w, d, m, h);
   TORCH_CHECK(qkv.n_out % (heads + 2 * kv_heads) == 0, "q, k and v heads do not divide the projection");
   const int64_t dim = qkv.n_out / (heads + 2 * kv_heads), half = dim / 2;
@@ -564,12 +444,12 @@ torch::Tensor output_mlp(const torch::Tensor& attn, const torch::Tensor& residua
                   residual.is_contiguous() && residual.dim() == 3,
               "attn, residual: contiguous fp32");
   const int64_t h = residual.size(2), rows = residual.size(0) * residual.size(1), k_attn = attn.numel() / rows;
-  TORCH_CHECK(attn.numel() == rows * k_attn && k_attn % kChunk == 0, "attn: [B, T, heads * head_dim]");
+  TORCH_CHECK(attn.numel() == rows * k_attn && k_attn % kBlock == 0, "attn: [B, T, heads * head_dim]");
   const Int4Weight o = int4_weight(o_w, o_d, o_m, k_attn);
   const Int4Weight gate_up = int4_weight(gu_w, gu_d, gu_m, h);
   TORCH_CHECK(o.n_out == h && gate_up.n_out % 2 == 0, "o: [H, heads * head_dim], gate_up: [2 I, H]");
   const int64_t inter = gate_up.n_out / 2;
-  TORCH_CHECK(inter % kChunk == 0, "the intermediate size must be a multiple of 64");
+  TORCH_CHECK(inter % kBlock == 0, "the intermediate size must be a multiple of 32");
   const Int4Weight down = int4_weight(down_w, down_d, down_m, inter);
   TORCH_CHECK(down.n_out == h, "down: [H, I]");
   TORCH_CHECK(norm_weight.scalar_type() == torch::kFloat32 && norm_weight.numel() == h, "norm weight: fp32 [H]");
@@ -595,13 +475,7 @@ torch::Tensor output_mlp(const torch::Tensor& attn, const torch::Tensor& residua
 }
 
 std::string isa() {
-#if CSD_INT4_AVX512
-#ifdef __AVX512VNNI__
-  return "avx512-vnni";
-#else
-  return "avx512bw";
-#endif
-#elif CSD_INT4_AVX2
+#if CSD_INT4_AVX2
   return "avx2";
 #else
   return "portable";
