@@ -67,3 +67,18 @@ def test_prefix_caching_flags_reach_the_settings(monkeypatch):
     assert not off.enable_prefix_caching
     sized = settings_from_args(build_parser().parse_args(["serve", "--prefix-cache-gib", "0.25"]))
     assert sized.enable_prefix_caching and sized.prefix_cache_gib == 0.25
+
+
+def test_the_draft_pool_scope_flag_reaches_the_settings(monkeypatch):
+    """`--draft-pool-scope shared` (or CSD_DRAFT_POOL_SCOPE) pools the suffix drafter's outputs across API keys;
+    the default keeps each key's own, and anything else is refused by the parser."""
+    from service.cli import build_parser, settings_from_args
+
+    monkeypatch.delenv("CSD_DRAFT_POOL_SCOPE", raising=False)
+    assert settings_from_args(build_parser().parse_args(["serve"])).draft_pool_scope == "tenant"
+    shared = settings_from_args(build_parser().parse_args(["serve", "--draft-pool-scope", "shared"]))
+    assert shared.draft_pool_scope == "shared"
+    monkeypatch.setenv("CSD_DRAFT_POOL_SCOPE", "shared")
+    assert settings_from_args(build_parser().parse_args(["generate", "hi"])).draft_pool_scope == "shared"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--draft-pool-scope", "everyone"])

@@ -61,6 +61,12 @@ def _add_speculation_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lambda", dest="lambda_", type=float, help="frequency gate: rescue when count > lambda")
     g.add_argument("--ngram-min", type=int)
     g.add_argument("--ngram-max", type=int)
+    g.add_argument(
+        "--draft-pool-scope",
+        choices=("tenant", "shared"),
+        help="whose earlier outputs the suffix drafter drafts from: the API key's own (default) or every "
+        "client's (CSD_DRAFT_POOL_SCOPE)",
+    )
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -71,7 +77,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 
 _SETTING_FLAGS = (
     "model", "draft_model", "draft_head", "dtype", "weights", "device", "cache_dir", "redis_url", "ocm_path", "method", "drafter",
-    "num_speculative_tokens", "tau", "lambda_", "ngram_min", "ngram_max", "host", "port", "api_keys",
+    "num_speculative_tokens", "tau", "lambda_", "ngram_min", "ngram_max", "draft_pool_scope", "host", "port", "api_keys",
     "served_model_name", "torch_threads", "max_queue", "max_batch_size", "max_batched_tokens", "max_tokens_cap", "default_max_tokens",
     "default_temperature", "request_timeout_s", "max_body_bytes", "body_timeout_s", "shutdown_grace_s",
     "tool_call_parser", "record_traffic", "record_traffic_max_bytes",
