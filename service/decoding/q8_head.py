@@ -9,11 +9,13 @@ the 4-bit body's are: `q8_blocks`), and every logit is their dot product in fp32
 the fp32 head's. Measured on the embedded model's head (AMD EPYC with AVX512-BF16, 1 thread): 3.3 ms for one
 row against 7.8 for the oneDNN-packed fp32 head, 5.9 against 7.0 at 4 rows, 10.8 against 9.4 at 8; a whole
 forward of the embedded model (int4 body in bf16) 28.5 against 34.9 ms at width 1, 31.6 against 37.2 at 2.
-On AVX2 the kernel holds a row's 32 lanes in registers (the generic loop's stayed in memory): on an AVX2-only
-EPYC (Zen 3, 1 thread) 2.9 against 4.3-5.2 ms for the generic loop at one row, 6.2 against 7.9 at 4, same bits.
+On AVX2 the kernel holds a row's lanes in registers (the generic loop's stayed in memory) and decodes a block
+once for up to 4 rows: on an AVX2-only EPYC (Zen 3, 1 thread) 3.1 ms at one row, 5.0 at 4, 9.0 at 8 against
+4.3-5.2, 7.9 and 13.6 for the generic loop (and 8.2 / 11.7 / 16.1 for the packed fp32 head).
 
 Past Q8_MAX_ROWS rows (wide verifications, batches) the kernel, which is compute-bound (it decodes every
-weight block once per 8 rows and multiplies in fp32), loses to oneDNN's blocked sgemm (16 rows 22 vs 12 ms),
+weight block once per 4 rows and multiplies in fp32), loses to oneDNN's blocked sgemm (on the AVX512-BF16 EPYC,
+with the generic loop, 16 rows 22 vs 12 ms; on the AVX2 EPYC it still wins at 16 rows, 20.0 vs 21.4),
 so such calls take the packed fp32 copy of the same weights (`cpu_kernels.PackedLinear`). The two kernels sum in different orders: a row's logits in a wide batch
 and alone differ by fp32 rounding (~1e-6), as the logits of any fp32 model do across batch shapes; the
 hidden states they are computed from keep their bits (`batch_invariant`). Within the 8-bit kernel a row gets
@@ -38,8 +40,9 @@ from service.decoding.cpu_kernels import PackedLinear
 log = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per scale: GGUF's Q8_0 block
-# rows (positions) up to which a call runs the 8-bit kernel; wider calls run the packed fp32 copy
-Q8_MAX_ROWS = 4
+# rows (positions) up to which a call runs the 8-bit kernel; wider calls run the packed fp32 copy. Measured on
+# an AVX2 EPYC, 1 thread, the embedded head: 8 rows 9.0 ms against 16.1 for the packed copy, 16 rows 20.0 vs 21.4
+Q8_MAX_ROWS = 8
 PROFILE_SCOPE = "csd::q8_linear"  # the kernel's span under torch.profiler (it is no aten operator)
 
 
