@@ -359,6 +359,56 @@ inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+#if CSD_INT4_AVX2
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+// One query (head dim D) over its `count` keys (rows `index` of kb and vb), in order, on AVX2: the query, then
+// the output, held in registers; scores in two accumulators a key, their exponentials in a loop of their own
+// (it vectorises), the values summed key after key. The generic loops below kept their 16 lanes and the output
+// in memory: ~100 cycles per query and key, a tenth of a width-2 forward of the embedded model.
+template <int D>
+void attend_avx2(const float* __restrict qv, const float* __restrict kb, const float* __restrict vb,
+                 const int64_t* __restrict index, int64_t count, float scale, float* __restrict scores,
+                 float* __restrict o) {
+  constexpr int V = D / 8;
+  __m256 q[V];
+#pragma GCC unroll 16
+  for (int j = 0; j < V; ++j) q[j] = _mm256_loadu_ps(qv + 8 * j);
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < count; ++c) {
+    const float* kv = kb + index[c] * D;
+    __m256 a0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(kv));
+    __m256 a1 = _mm256_mul_ps(q[1], _mm256_loadu_ps(kv + 8));
+#pragma GCC unroll 8
+    for (int j = 2; j < V; j += 2) {
+      a0 = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(kv + 8 * j), a0);
+      a1 = _mm256_fmadd_ps(q[j + 1], _mm256_loadu_ps(kv + 8 * j + 8), a1);
+    }
+    scores[c] = hsum(_mm256_add_ps(a0, a1)) * scale;
+    top = std::max(top, scores[c]);
+  }
+  for (int64_t c = 0; c < count; ++c) scores[c] = exp_approx(scores[c] - top);
+  float total = 0.f;
+  for (int64_t c = 0; c < count; ++c) total += scores[c];
+  __m256 acc[V];
+#pragma GCC unroll 16
+  for (int j = 0; j < V; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < count; ++c) {
+    const __m256 p = _mm256_set1_ps(scores[c]);
+    const float* vv = vb + index[c] * D;
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vv + 8 * j), acc[j]);
+  }
+  const __m256 inv = _mm256_set1_ps(count ? 1.f / total : 0.f);
+#pragma GCC unroll 16
+  for (int j = 0; j < V; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], inv));
+}
+#endif
+
 // Attention of every query over the keys it sees, in their order: a query's output depends on nothing else
 // (not the batch's other rows, its padding, the holes rejected drafts leave, nor how many queries run), which
 // is the batch invariance `batch_invariant.row_aligned_attention` gets by aligning keys, here by construction.
@@ -409,6 +459,17 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
         } else {
           for (int64_t j = 0; j <= keys - length + t; ++j) index[count++] = j;
         }
+        float* o = op + (b * length + t) * heads * dim + h * dim;
+#if CSD_INT4_AVX2
+        if (dim == 64) {
+          attend_avx2<64>(qv, kb, vb, index.data(), count, scale, scores.data(), o);
+          continue;
+        }
+        if (dim == 128) {
+          attend_avx2<128>(qv, kb, vb, index.data(), count, scale, scores.data(), o);
+          continue;
+        }
+#endif
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t c = 0; c < count; ++c) {
           const float* kv = kb + index[c] * dim;
@@ -422,7 +483,6 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
           total += p;
           axpy(p, vb + index[c] * dim, acc.data(), dim);
         }
-        float* o = op + (b * length + t) * heads * dim + h * dim;
         const float inv = count ? 1.f / total : 0.f;
         for (int64_t i = 0; i < dim; ++i) o[i] = acc[i] * inv;
       }
