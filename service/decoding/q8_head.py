@@ -110,6 +110,45 @@ class Q8Head(torch.nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight [V, K] (K a multiple of 32) as Q8_0 blocks, (q [V, K] int8, scales [V, K / 32] fp32):
+    scale = max|w| / 127 rounded to float16, as llama.cpp quantises; exact for weights that are Q8_0 already
+    (`q8_blocks` finds them again), a relative error of ~0.2 % of a block's largest weight otherwise."""
+    v, k = weight.shape
+    blocks = weight.detach().float().reshape(v, k // BLOCK, BLOCK)
+    scales = (blocks.abs().amax(dim=-1) / 127).half().float()
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = (blocks / safe[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q.reshape(v, k), scales.contiguous()
+
+
+class Q8Linear(torch.nn.Module):
+    """An `nn.Linear` (bias or not) read from 8-bit blocks by the kernel, fp32 in and out, for every row count:
+    the draft head's layers, a fifth of its fp32 bytes (`RecurrentDraftHead.use_8bit_blocks`)."""
+
+    def __init__(
+        self,
+        linear: torch.nn.Linear,
+        kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        q, scales = quantize_q8(linear.weight)
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        bias = linear.bias.detach().float().clone() if linear.bias is not None else None
+        self.register_buffer("bias", bias, persistent=False)
+        self._kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self._kernel(x.reshape(-1, shape[-1]).float().contiguous(), self.q, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+
 def head_blocks(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The model's LM head as 8-bit blocks, if it is exactly that (read it from the fp32 weights, before any
     cast) and is a CPU `nn.Linear` without bias."""

@@ -120,3 +120,46 @@ def test_a_cache_the_kernel_cannot_be_built_in_gives_no_kernel_and_says_why(tmp_
     assert out.returncode == 0, out.stderr
     assert "kernel None" in out.stdout
     assert "LM head stays fp32" in out.stderr
+
+
+def test_a_linear_from_8bit_blocks_is_the_dense_one_within_quantisation(kernel):
+    from service.decoding.q8_head import Q8Linear, quantize_q8
+
+    linear = torch.nn.Linear(576, 200)
+    with torch.no_grad():
+        linear.weight.normal_(0, 0.05)
+    q, scales = quantize_q8(linear.weight)
+    assert q8_blocks((q.float().reshape(200, 18, 32) * scales[..., None]).reshape(200, 576)) is not None
+    layer = Q8Linear(linear, kernel)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        exact = linear(x)
+        got = layer(x)
+    assert float((got - exact).norm() / exact.norm()) < 0.01
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(5)]), got)  # a row's bits, alone or not
+
+
+def test_the_draft_head_drafts_from_8bit_blocks(kernel, embedded):
+    """The served head reads its layers and its vocabulary's LM rows from 8-bit blocks (a quarter of the bytes
+    a drafted position); its logits stay the fp32 head's within quantisation, with the same top token almost
+    everywhere, and a row's bits do not depend on the rows drafted beside it."""
+    from service.decoding import HeadDrafter
+    from service.decoding.draft_head import EMBEDDED_HEAD_DIR, RecurrentDraftHead
+    from service.decoding.q8_head import Q8Linear
+
+    served = HeadDrafter(embedded, EMBEDDED_HEAD_DIR).head
+    assert served._lm_blocks is not None and isinstance(served.mix.up, Q8Linear)
+    model = embedded.model
+    reference = RecurrentDraftHead.load(EMBEDDED_HEAD_DIR).bind(
+        model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    )
+    generator = torch.Generator().manual_seed(10)
+    state = torch.randn(64, 576, generator=generator)
+    tokens = torch.randint(0, 49152, (64,), generator=generator)
+    with torch.inference_mode():
+        _, exact = reference.step(state, tokens)
+        _, got = served.step(state, tokens)
+        alone = torch.cat([served.step(state[i : i + 1], tokens[i : i + 1])[1] for i in range(8)])
+    assert float((got - exact).norm() / exact.norm()) < 0.02
+    assert float((got.argmax(-1) == exact.argmax(-1)).float().mean()) >= 0.9
+    assert torch.equal(alone, got[:8])

@@ -61,6 +61,7 @@ class HeadDrafter:
         device = target.device
         head = head.to(device=device, dtype=dtype)
         self.head = head.bind(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+        self.head.use_8bit_blocks()  # where the 8-bit kernel builds: a quarter of the bytes a drafted position
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.folder = folder
         self._identity = f"head:{folder.name}@{_weights_hash(folder)}"
