@@ -57,6 +57,18 @@ def q8_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
     return module.q8_linear
 
 
+def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight [V, K] (K a multiple of 32) as Q8_0 blocks, (q [V, K] int8, scales [V, K / 32] fp32):
+    scale = max|w| / 127 rounded to float16, as llama.cpp quantises; exact for weights that are Q8_0 already
+    (`q8_blocks` finds them again), a relative error of ~0.2 % of a block's largest weight otherwise."""
+    v, k = weight.shape
+    blocks = weight.detach().float().reshape(v, k // BLOCK, BLOCK)
+    scales = (blocks.abs().amax(dim=-1) / 127).half().float()
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = (blocks / safe[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q.reshape(v, k), scales.contiguous()
+
+
 def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(q [V, K] int8, scales [V, K / 32] fp32) when every block of 32 weights of `weight` is exactly
     scale * q with q an int8 in -127..127 and scale a float16, as GGUF's Q8_0 stores them; None otherwise.
@@ -65,14 +77,12 @@ def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     dequantised block's max / 127 is its float16 scale again, exactly, and w / scale its q."""
     if weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
+    q, scales = quantize_q8(weight)
     v, k = weight.shape
-    blocks = weight.detach().float().reshape(v, k // BLOCK, BLOCK)
-    scales = (blocks.abs().amax(dim=-1) / 127).half().float()
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = (blocks / safe[..., None]).round_().clamp_(-127, 127)
-    if not torch.equal(q * scales[..., None], blocks):
+    decoded = q.float().reshape(v, k // BLOCK, BLOCK) * scales[..., None]
+    if not torch.equal(decoded.reshape(v, k), weight.detach().float()):
         return None
-    return q.to(torch.int8).reshape(v, k), scales.contiguous()
+    return q, scales
 
 
 class Q8Head(torch.nn.Module):
@@ -108,18 +118,6 @@ class Q8Head(torch.nn.Module):
             with torch.profiler.record_function(PROFILE_SCOPE):
                 y = self._kernel(rows, self.q, self.scales)
         return y.reshape(*shape[:-1], self.out_features)
-
-
-def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dense weight [V, K] (K a multiple of 32) as Q8_0 blocks, (q [V, K] int8, scales [V, K / 32] fp32):
-    scale = max|w| / 127 rounded to float16, as llama.cpp quantises; exact for weights that are Q8_0 already
-    (`q8_blocks` finds them again), a relative error of ~0.2 % of a block's largest weight otherwise."""
-    v, k = weight.shape
-    blocks = weight.detach().float().reshape(v, k // BLOCK, BLOCK)
-    scales = (blocks.abs().amax(dim=-1) / 127).half().float()
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = (blocks / safe[..., None]).round_().clamp_(-127, 127).to(torch.int8)
-    return q.reshape(v, k), scales.contiguous()
 
 
 class Q8Linear(torch.nn.Module):

@@ -184,13 +184,19 @@ def test_a_dear_drafter_drafts_where_its_confident_drafts_pay():
     assert policy.choose("head", 2, 6) == 6 and policy.choose("head", 0, 6) == 0
 
 
-def test_a_drafter_that_costs_nothing_drafts_its_budget_and_the_cap_decides():
+def test_a_drafter_that_costs_next_to_nothing_drafts_its_budget_and_the_cap_decides():
+    """Prompt lookup costs ~0.1 % of a forward: it drafts whatever its drafts were worth so far, so a key it
+    never showed (a long match, judged by the optimistic prior) still reaches the cap; the same drafter at 5 %
+    of a forward a position is not run."""
     policy = DraftPolicy(DEAR_WIDTH, explore_every=1000)
     for _ in range(50):
         policy.observe("ngram", 2, drafted=6, kept=0)
-        policy.observe_drafting("ngram", seconds=0.0, keys=[2], positions=6)
+        policy.observe_drafting("ngram", seconds=0.001, keys=[2], positions=6)
+        policy.observe("dear", 2, drafted=6, kept=0)
+        policy.observe_drafting("dear", seconds=0.05 * 6, keys=[2], positions=6)
     assert policy.draft_length("ngram", 1, 1, 6) == (6, False)
-    assert policy.choose("ngram", 2, 6) == 0
+    assert policy.choose("ngram", 2, 6) == 0 and policy.choose("ngram", 4, 6) > 0
+    assert policy.draft_length("dear", 1, 1, 6) == (0, False)
 
 
 def test_a_batch_runs_a_dear_drafter_only_when_it_pays_and_stays_lossless(embedded):
