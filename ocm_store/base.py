@@ -99,7 +99,7 @@ class OCMStore(abc.ABC):
 
 
 class NamespacedMemory:
-    """A store bound to one model pair: the `DivergenceMemory` the decoding core uses."""
+    """A store bound to one model pair: the `CorrectionMemory` the decoding core uses."""
 
     def __init__(self, store: OCMStore, namespace: Namespace) -> None:
         self.store = store

@@ -56,7 +56,7 @@ def calibrate(
         for _ in run_alone(generation):
             pass
         result.prompts += 1
-        result.divergences += generation.stats.num_rejections  # each one recorded, emitted or not
+        result.divergences += generation.stats.num_rejections_seen  # each one recorded, emitted or not
         result.completion_tokens += generation.stats.completion_tokens
         if on_prompt is not None:
             on_prompt(result)

@@ -1,6 +1,6 @@
 """The one response driver: every generation request, whatever its API (chat completions, completions, the
 Responses API) and however it is answered (JSON, Server-Sent Events, or a background response that no
-client waits on), runs through a `Generation`, and each API is a `Formatter` over the same events. This is
+client waits on), runs through a `RequestRun`, and each API is a `Formatter` over the same events. This is
 vLLM v1's shape: one output processor (`output_processor.py` turns the engine's outputs into events), and
 serving layers that only format.
 
@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.responses import Response
 
 from service.api.errors import CLIENT_CLOSED_REQUEST, SERVER, APIError, queue_full
-from service.api.events import DoneEvent, ErrorEvent, Event, GenerationPlan, Job, PromptEvent, StepEvent
+from service.api.events import DoneEvent, ErrorEvent, Event, GenerationPlan, Job, PromptEvent, RoundEvent
 from service.api.results import Results
 from service.api.state import ServiceState
 from service.api.worker import EngineWorker
@@ -66,7 +66,7 @@ class Formatter:
     def prompt_chunks(self, event: PromptEvent) -> list[dict]:
         return []
 
-    def step_chunks(self, event: StepEvent) -> list[dict]:
+    def round_chunks(self, event: RoundEvent) -> list[dict]:
         return []
 
     def finish_chunks(self, event: DoneEvent) -> list[dict]:
@@ -78,7 +78,7 @@ class Formatter:
         return []
 
     def error_chunks(self, error: APIError) -> list[dict]:
-        """The generation failed (after the first byte of a stream, or in the background)."""
+        """The request failed (after the first byte of a stream, or in the background)."""
         raise NotImplementedError
 
     def frame(self, chunk: dict, results: Results) -> bytes:
@@ -90,8 +90,8 @@ class Formatter:
 
 
 def _event_chunks(formatter: Formatter, event: Event) -> list[dict]:
-    if isinstance(event, StepEvent):
-        return formatter.step_chunks(event)
+    if isinstance(event, RoundEvent):
+        return formatter.round_chunks(event)
     if isinstance(event, DoneEvent):
         return formatter.finish_chunks(event)
     if isinstance(event, PromptEvent):
@@ -100,11 +100,11 @@ def _event_chunks(formatter: Formatter, event: Event) -> list[dict]:
 
 
 def failure(exc: Exception) -> APIError:
-    """What a generation that failed after it began tells its client: its APIError, or for anything else (a
+    """What a request that failed after it began tells its client: its APIError, or for anything else (a
     bug) an internal error whose details go to the server log only."""
     if isinstance(exc, APIError):
         return exc
-    log.error("a generation failed after it began", exc_info=exc)
+    log.error("a request failed after it began", exc_info=exc)
     return APIError(
         500,
         "the generation failed on the server (details in the server log)",
@@ -113,7 +113,7 @@ def failure(exc: Exception) -> APIError:
     )
 
 
-class Generation:
+class RequestRun:
     """One request on the engine: its jobs (one per prompt), its results as the events arrive, and the one
     way each of its ends (finished, failed, timed out, abandoned, cancelled) stops its work.
 
@@ -137,23 +137,23 @@ class Generation:
         plans: list[GenerationPlan],
         arrived: float,
         abandoned: str = CLIENT_GONE,
-    ) -> Generation:
+    ) -> RequestRun:
         """Submit one job per plan; a full queue is a 429. `arrived`: time.monotonic() when the request came
         in; its deadline and latency metrics count from it."""
-        generation = cls(worker, plans, abandoned)
+        run = cls(worker, plans, abandoned)
         deadline = arrived + state.settings.request_timeout_s
         loop = asyncio.get_running_loop()
         try:
             for plan in plans:
                 job = Job(plan, loop, deadline, arrived=arrived)
                 worker.submit(job)
-                generation.jobs.append(job)
+                run.jobs.append(job)
         except BaseException as exc:
-            generation.cancel("request failed")
+            run.cancel("request failed")
             if isinstance(exc, QueueFull):
                 raise queue_full(exc.retry_after_s, exc.running, exc.waiting) from None
             raise
-        return generation
+        return run
 
     def cancel(self, reason: str) -> None:
         """Stop every job (those that finished already are not touched)."""
@@ -216,15 +216,15 @@ class Generation:
 
 
 @contextlib.asynccontextmanager
-async def cancel_on_disconnect(request: Request, generation: Generation) -> AsyncIterator[None]:
-    """While inside, a client disconnect cancels the generation (the body was read already, so the next ASGI
+async def cancel_on_disconnect(request: Request, run: RequestRun) -> AsyncIterator[None]:
+    """While inside, a client disconnect cancels the run (the body was read already, so the next ASGI
     message can only be the disconnect)."""
 
     async def watch() -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                generation.cancel(CLIENT_GONE)
+                run.cancel(CLIENT_GONE)
                 return
 
     watcher = asyncio.get_running_loop().create_task(watch())
@@ -236,42 +236,40 @@ async def cancel_on_disconnect(request: Request, generation: Generation) -> Asyn
             await watcher
 
 
-async def respond(request: Request, generation: Generation, formatter: Formatter, stream: bool) -> Response:
-    """Answer an admitted generation: the JSON response once every choice finished, or (one prompt) a stream
+async def respond(request: Request, run: RequestRun, formatter: Formatter, stream: bool) -> Response:
+    """Answer an admitted request: the JSON response once every choice finished, or (one prompt) a stream
     that begins once the first round ran. Until the first byte, an error is an HTTP status."""
     try:
-        async with cancel_on_disconnect(request, generation):
+        async with cancel_on_disconnect(request, run):
             if not stream:
-                return JSONResponse(formatter.response(await generation.collect()))
-            first = await generation.first_event()
+                return JSONResponse(formatter.response(await run.collect()))
+            first = await run.first_event()
     except BaseException:
-        generation.cancel("request failed")
+        run.cancel("request failed")
         raise
-    return StreamingResponse(
-        _sse(generation, formatter, first), media_type="text/event-stream", headers=SSE_HEADERS
-    )
+    return StreamingResponse(_sse(run, formatter, first), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _sse(generation: Generation, formatter: Formatter, first: Event) -> AsyncIterator[bytes]:
+async def _sse(run: RequestRun, formatter: Formatter, first: Event) -> AsyncIterator[bytes]:
     # aclosing: when Starlette drops this stream (the client went away), the chunks' own cleanup runs now
-    async with contextlib.aclosing(generation.chunks(formatter, first)) as chunks:
+    async with contextlib.aclosing(run.chunks(formatter, first)) as chunks:
         async for chunk in chunks:
-            yield formatter.frame(chunk, generation.results)
+            yield formatter.frame(chunk, run.results)
     if formatter.end_of_stream:
         yield formatter.end_of_stream
 
 
-async def run_to_end(generation: Generation, formatter: Formatter, started: Callable[[], None]) -> None:
-    """A generation no client waits on (a background response): the same events through the same formatter,
+async def run_to_end(run: RequestRun, formatter: Formatter, started: Callable[[], None]) -> None:
+    """A request no client waits on (a background response): the same events through the same formatter,
     its chunks dropped; the formatter keeps what it needs. `started` is called once the first round ran."""
     try:
-        first = await generation.first_event()
+        first = await run.first_event()
         started()
     except Exception as exc:
-        generation.cancel("failed")
+        run.cancel("failed")
         formatter.error_chunks(failure(exc))
         return
-    async with contextlib.aclosing(generation.chunks(formatter, first)) as chunks:
+    async with contextlib.aclosing(run.chunks(formatter, first)) as chunks:
         async for _ in chunks:
             pass
 

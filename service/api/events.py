@@ -29,7 +29,7 @@ class GenerationPlan(EngineRequest):
 
 
 @dataclass
-class StepEvent:
+class RoundEvent:
     """One decoding round's output."""
 
     text: str
@@ -54,7 +54,7 @@ class DoneEvent:
 
 @dataclass
 class PromptEvent:
-    """The prompt's own logprobs (echo with logprobs), before any step: per prompt token (logprob, top
+    """The prompt's own logprobs (echo with logprobs), before any round: per prompt token (logprob, top
     alternatives), None for the first."""
 
     tokens: list[int]
@@ -67,7 +67,7 @@ class ErrorEvent:
     error: APIError
 
 
-Event = StepEvent | DoneEvent | ErrorEvent | PromptEvent
+Event = RoundEvent | DoneEvent | ErrorEvent | PromptEvent
 
 
 class Job:

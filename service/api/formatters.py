@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from service.api.driver import DONE, Formatter, sse
 from service.api.errors import APIError
-from service.api.events import DoneEvent, GenerationPlan, PromptEvent, StepEvent
+from service.api.events import DoneEvent, GenerationPlan, PromptEvent, RoundEvent
 from service.api.results import ChoiceResult, PromptResult, Results, provenance_tokens
 from service.api.schemas import (
     AssistantMessage,
@@ -159,16 +159,16 @@ class ChunkFormatter(Formatter):
     def _chunk(self, **kwargs: object) -> BaseModel:
         raise NotImplementedError
 
-    def step_chunk(self, event: StepEvent) -> dict | None:
+    def round_chunk(self, event: RoundEvent) -> dict | None:
         raise NotImplementedError
 
     def finish_chunk(self, index: int, finish_reason: str, stats: GenerationStats) -> dict:
         raise NotImplementedError
 
-    def step_chunks(self, event: StepEvent) -> list[dict]:
+    def round_chunks(self, event: RoundEvent) -> list[dict]:
         """What one round sends: usually its one chunk; tool calls may need more (OpenAI sends a call's
         name and its arguments as two deltas)."""
-        chunk = self.step_chunk(event)
+        chunk = self.round_chunk(event)
         return [] if chunk is None else [chunk]
 
     def finish_chunks(self, event: DoneEvent) -> list[dict]:
@@ -188,12 +188,12 @@ class ChunkFormatter(Formatter):
     def error_chunks(self, error: APIError) -> list[dict]:
         return [error.body()]
 
-    def _step_speculative(self, event: StepEvent) -> SpeculativeTokens | None:
+    def _round_speculative(self, event: RoundEvent) -> SpeculativeTokens | None:
         if not self.plan.return_provenance:
             return None
         return SpeculativeTokens(tokens=provenance_tokens(event), draft_tokens=event.draft_tokens)
 
-    def _wants_chunk(self, event: StepEvent) -> bool:
+    def _wants_chunk(self, event: RoundEvent) -> bool:
         # A round whose text is held back (half a character, a possible stop string) sends nothing, unless
         # the client asked for provenance or logprobs: then the tokens go out as they are decided.
         asked = self.plan.return_provenance or self.wants_logprobs
@@ -236,7 +236,7 @@ class CompletionFormatter(ChunkFormatter):
         ]
         return [self._dump(self._chunk(choices=choices))]
 
-    def step_chunk(self, event: StepEvent) -> dict | None:
+    def round_chunk(self, event: RoundEvent) -> dict | None:
         if not self._wants_chunk(event):
             return None
         logprobs = None
@@ -245,7 +245,7 @@ class CompletionFormatter(ChunkFormatter):
             logprobs = completion_logprobs(_emitted_entries(event.tokens), event.logprob_texts, offset)
             self._offsets[event.index] = offset + sum(len(t) for t in logprobs.tokens)
         choice = CompletionChoice(index=event.index, text=event.text, logprobs=logprobs, finish_reason=None)
-        return self._dump(self._chunk(choices=[choice], speculative=self._step_speculative(event)))
+        return self._dump(self._chunk(choices=[choice], speculative=self._round_speculative(event)))
 
     def finish_chunk(self, index: int, finish_reason: str, stats: GenerationStats) -> dict:
         choice = CompletionChoice(index=index, text="", finish_reason=finish_reason)  # type: ignore[arg-type]
@@ -328,15 +328,15 @@ class ChatFormatter(ChunkFormatter):
             for i in range(self.plan.n)
         ]
 
-    def step_chunk(self, event: StepEvent) -> dict | None:
+    def round_chunk(self, event: RoundEvent) -> dict | None:
         if not self._wants_chunk(event):
             return None
         choice = ChatChunkChoice(
             index=event.index, delta=ChatDelta(content=event.text), logprobs=self._logprobs(event)
         )
-        return self._dump(self._chunk(choices=[choice], speculative=self._step_speculative(event)))
+        return self._dump(self._chunk(choices=[choice], speculative=self._round_speculative(event)))
 
-    def _logprobs(self, event: StepEvent) -> ChatLogprobs | None:
+    def _logprobs(self, event: RoundEvent) -> ChatLogprobs | None:
         if event.logprob_texts is None:
             return None
         return chat_logprobs(event.tokens, event.logprob_texts, event.logprob_bytes or {})
@@ -347,11 +347,11 @@ class ChatFormatter(ChunkFormatter):
         choice = ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish_reason)  # type: ignore[arg-type]
         return self._dump(self._chunk(choices=[choice], speculative=speculative_stats(self.plan, stats)))
 
-    def step_chunks(self, event: StepEvent) -> list[dict]:
+    def round_chunks(self, event: RoundEvent) -> list[dict]:
         if self._streams is None:
-            return super().step_chunks(event)
+            return super().round_chunks(event)
         deltas = self._deltas(event.index, event.text)
-        speculative, logprobs = self._step_speculative(event), self._logprobs(event)
+        speculative, logprobs = self._round_speculative(event), self._logprobs(event)
         if (speculative is not None or logprobs is not None) and not deltas:  # tokens go out as decided
             deltas = [ChatDelta()]
         return [

@@ -39,7 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ocm_store.base import StoreStatus
-from service.decoding.types import GenerationStep, RoundStats
+from service.decoding.types import GenerationRound, RoundStats
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class ServiceMetrics:
         ).labels(*base)
         self.requests_waiting = Gauge(
             "vllm:num_requests_waiting",
-            "Generations waiting for a batch row.",
+            "Requests waiting for batch rows (one per choice).",
             list(BASE_LABELS),
             registry=r,
         ).labels(*base)
@@ -286,14 +286,19 @@ class ServiceMetrics:
         self.prefix_cache_queries.labels(*self.base_labels).inc(queried)
         self.prefix_cache_hits.labels(*self.base_labels).inc(hit)
 
-    def record_step(
-        self, method: str, drafter: str, step: GenerationStep, since_arrival: float, since_last: float | None
+    def record_decoded_round(
+        self,
+        method: str,
+        drafter: str,
+        decoded: GenerationRound,
+        since_arrival: float,
+        since_last: float | None,
     ) -> None:
         """One decoding round of one request: its speculation statistics, tokens and latency."""
         labels = (*self.base_labels, method, drafter)
-        self.record_round(method, drafter, step.round)
-        if step.tokens:
-            self.generation_tokens.labels(*labels).inc(len(step.tokens))
+        self.record_round(method, drafter, decoded.round)
+        if decoded.tokens:
+            self.generation_tokens.labels(*labels).inc(len(decoded.tokens))
         if since_last is None:
             self.ttft.labels(*labels).observe(since_arrival)
         else:

@@ -6,8 +6,8 @@ JSON and SSE chunks from these events): one tokenizer call per round for all the
 
 from __future__ import annotations
 
-from service.api.events import DoneEvent, GenerationPlan, PromptEvent, StepEvent
-from service.decoding.requests import Finished, PromptScored, Stepped
+from service.api.events import DoneEvent, GenerationPlan, PromptEvent, RoundEvent
+from service.decoding.requests import Finished, PromptScored, RoundDecoded
 from service.decoding.text import token_bytes
 
 
@@ -19,30 +19,32 @@ class OutputProcessor:
         ids = set(plan.prompt_ids) | {i for entry in out.logprobs if entry for i, _ in entry[1]}
         return PromptEvent(list(plan.prompt_ids), out.logprobs, self.texts(ids))
 
-    def step(self, plan: GenerationPlan, out: Stepped) -> StepEvent:
-        step = out.step
+    def round(self, plan: GenerationPlan, out: RoundDecoded) -> RoundEvent:
+        decoded = out.round
         token_texts = None
         if plan.return_provenance:
             # every token's text and the text of the draft token it replaced, in one tokenizer call each
-            texts = self.tokenizer.batch_decode([[t.token_id] for t in step.tokens])
-            replaced = [t for t in step.tokens if t.replaced_token_id is not None]
+            texts = self.tokenizer.batch_decode([[t.token_id] for t in decoded.tokens])
+            replaced = [t for t in decoded.tokens if t.replaced_token_id is not None]
             replaced_texts = iter(self.tokenizer.batch_decode([[t.replaced_token_id] for t in replaced]))
             token_texts = [
                 (text, None if t.replaced_token_id is None else next(replaced_texts))
-                for t, text in zip(step.tokens, texts, strict=True)
+                for t, text in zip(decoded.tokens, texts, strict=True)
             ]
         logprob_texts = logprob_bytes = None
         if plan.sampling.logprobs is not None:
-            ids = {t.token_id for t in step.tokens} | {i for t in step.tokens for i, _ in t.top_logprobs}
+            ids = {t.token_id for t in decoded.tokens} | {
+                i for t in decoded.tokens for i, _ in t.top_logprobs
+            }
             logprob_texts = self.texts(ids)
             logprob_bytes = token_bytes(self.tokenizer, sorted(ids))
-        return StepEvent(
-            step.text,
-            len(step.tokens),
-            step.finish_reason,
-            list(step.tokens),
+        return RoundEvent(
+            decoded.text,
+            len(decoded.tokens),
+            decoded.finish_reason,
+            list(decoded.tokens),
             token_texts,
-            step.round.num_draft_tokens,
+            decoded.round.num_draft_tokens,
             index=out.index,
             logprob_texts=logprob_texts,
             logprob_bytes=logprob_bytes,

@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from service.api.driver import Formatter, sse
 from service.api.errors import APIError
-from service.api.events import DoneEvent, GenerationPlan, StepEvent
+from service.api.events import DoneEvent, GenerationPlan, RoundEvent
 from service.api.formatters import request_speculative
 from service.api.responses_api import FunctionTool, NamedFunction, ResponsesRequest, TextFormat
 from service.api.results import Results
@@ -358,7 +358,7 @@ class ResponsesFormatter(Formatter):
     def opening_chunks(self) -> list[dict]:
         return self.builder.start()
 
-    def step_chunks(self, event: StepEvent) -> list[dict]:
+    def round_chunks(self, event: RoundEvent) -> list[dict]:
         return self.builder.feed(event.text)
 
     def finish_chunks(self, event: DoneEvent) -> list[dict]:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.api.events import DoneEvent, Event, GenerationPlan, PromptEvent, StepEvent
+from service.api.events import DoneEvent, Event, GenerationPlan, PromptEvent, RoundEvent
 from service.api.schemas import ProvenanceToken
 from service.decoding import GenerationStats
 from service.decoding.types import EmittedToken, combined_stats
 
 
-def provenance_tokens(event: StepEvent) -> list[ProvenanceToken]:
+def provenance_tokens(event: RoundEvent) -> list[ProvenanceToken]:
     texts = event.token_texts or []
     out = []
     for token, (text, replaced_text) in zip(event.tokens, texts, strict=False):
@@ -46,7 +46,7 @@ class ChoiceResult:
     texts: dict[int, str] = field(default_factory=dict)  # token id -> text, for logprobs
     raw: dict[int, bytes] = field(default_factory=dict)  # token id -> its own bytes, for chat logprobs
 
-    def add_step(self, event: StepEvent) -> None:
+    def add_round(self, event: RoundEvent) -> None:
         self.generated += event.num_tokens
         self.provenance.extend(provenance_tokens(event))
         if event.logprob_texts is not None:
@@ -73,8 +73,8 @@ class PromptResult:
     def add(self, event: Event) -> None:
         if isinstance(event, PromptEvent):
             self.prompt = event
-        elif isinstance(event, StepEvent):
-            self.choices[event.index].add_step(event)
+        elif isinstance(event, RoundEvent):
+            self.choices[event.index].add_round(event)
         elif isinstance(event, DoneEvent):
             self.choices[event.index].finish(event)
 

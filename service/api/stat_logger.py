@@ -11,7 +11,15 @@ import time
 
 from service.api.events import GenerationPlan
 from service.api.metrics import ServiceMetrics
-from service.decoding.requests import Failed, FailReason, Finished, Output, SchedulerStats, Started, Stepped
+from service.decoding.requests import (
+    Failed,
+    FailReason,
+    Finished,
+    Output,
+    RoundDecoded,
+    SchedulerStats,
+    Started,
+)
 
 
 class StatLogger:
@@ -30,8 +38,8 @@ class StatLogger:
         m, method, drafter = self.metrics, plan.method, plan.drafter_label
         if isinstance(out, Started):
             m.record_start(method, drafter, out.prompt_tokens)
-        elif isinstance(out, Stepped):
-            m.record_step(method, drafter, out.step, out.timing.now - arrived, out.since_last)
+        elif isinstance(out, RoundDecoded):
+            m.record_decoded_round(method, drafter, out.round, out.timing.now - arrived, out.since_last)
             if out.since_last is None and out.index == 0:  # a request's choices share one prefill
                 m.record_prefix_cache(out.stats.prompt_tokens, out.stats.cached_tokens)
         elif isinstance(out, Finished) and out.timing is not None:

@@ -34,7 +34,7 @@ from service.decoding.requests import (
     Finished,
     Output,
     PromptScored,
-    Stepped,
+    RoundDecoded,
 )
 from service.traffic import traffic_record
 
@@ -200,7 +200,7 @@ class EngineWorker:
 
     def _count_faults(self, outputs: list[Output]) -> int:
         """Faulty steps since the last one that got a round of tokens out."""
-        if any(isinstance(out, Stepped) for out in outputs):
+        if any(isinstance(out, RoundDecoded) for out in outputs):
             self._faults = 0
         elif any(isinstance(out, Failed) and out.reason is FailReason.ENGINE_ERROR for out in outputs):
             self._faults += 1
@@ -255,8 +255,8 @@ class EngineWorker:
             self.stats.output(plan, job.arrived, out)
             if isinstance(out, PromptScored):
                 job.deliver(self.outputs.prompt(plan, out))
-            elif isinstance(out, Stepped):
-                job.deliver(self.outputs.step(plan, out))
+            elif isinstance(out, RoundDecoded):
+                job.deliver(self.outputs.round(plan, out))
             elif isinstance(out, Finished):
                 job.deliver(self.outputs.done(out))
                 self._record_traffic(plan, out)

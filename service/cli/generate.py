@@ -71,9 +71,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             ids = encode_prompt(tok, prompt)
         generation = runtime.engine.generate(ids, sampling, spec, drafter=settings.drafter)
-        for step in run_alone(generation):
-            if not args.json and step.text:
-                sys.stdout.write(step.text)
+        for decoded in run_alone(generation):
+            if not args.json and decoded.text:
+                sys.stdout.write(decoded.text)
                 sys.stdout.flush()
         stats = generation.stats.as_dict()
         if args.json:

@@ -1,6 +1,6 @@
 """The decoding core: models, drafters, verification rules and the generation loop.
 
-Imports torch and transformers only; the service and the OCM store meet it through `DivergenceMemory`
+Imports torch and transformers only; the service and the OCM store meet it through `CorrectionMemory`
 and the plain dataclasses in `types`.
 """
 
@@ -28,14 +28,14 @@ _EXPORTS = {
     "ConstraintKind": "types",
     "DecodingError": "types",
     "EmittedToken": "types",
+    "GenerationRound": "types",
     "GenerationStats": "types",
-    "GenerationStep": "types",
     "Method": "types",
     "Provenance": "types",
     "RoundStats": "types",
     "SamplingParams": "types",
     "SpeculativeConfig": "types",
-    "DivergenceMemory": "verification",
+    "CorrectionMemory": "verification",
 }
 
 
@@ -58,30 +58,30 @@ if TYPE_CHECKING:
         ConstraintKind,
         DecodingError,
         EmittedToken,
+        GenerationRound,
         GenerationStats,
-        GenerationStep,
         Method,
         Provenance,
         RoundStats,
         SamplingParams,
         SpeculativeConfig,
     )
-    from service.decoding.verification import DivergenceMemory
+    from service.decoding.verification import CorrectionMemory
 
 __all__ = [
     "Batch",
     "CombinedDrafter",
     "Constraint",
     "ConstraintKind",
+    "CorrectionMemory",
     "DecodingError",
-    "DivergenceMemory",
     "DraftPolicy",
     "Drafter",
     "EmittedToken",
     "Engine",
     "Generation",
+    "GenerationRound",
     "GenerationStats",
-    "GenerationStep",
     "HeadDrafter",
     "LoadedModel",
     "Method",

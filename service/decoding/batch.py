@@ -38,7 +38,7 @@ from service.decoding.draft_policy import DraftPolicy, RowOffer
 from service.decoding.drafters.base import BatchDrafter, Draft, DraftRow
 from service.decoding.generation import Generation
 from service.decoding.models import LoadedModel
-from service.decoding.types import DecodingError, GenerationStep
+from service.decoding.types import DecodingError, GenerationRound
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class Batch:
 
     # ------------------------------------------------------------------ one step
 
-    def step(self) -> list[tuple[Generation, GenerationStep]]:
+    def step(self) -> list[tuple[Generation, GenerationRound]]:
         """One prefill chunk (if a sequence is joining) and one decoding round (if any is running)."""
         self.failed = []
         threads.tick()  # the model thread follows the idle CPUs (service/decoding/threads.py)
@@ -261,7 +261,7 @@ class Batch:
         assert hidden is not None
         return hidden
 
-    def _round(self) -> list[tuple[Generation, GenerationStep]]:
+    def _round(self) -> list[tuple[Generation, GenerationRound]]:
         started = time.perf_counter()
         # 1. draft: every drafter proposes for its rows, up to each row's budget; a constrained row checks its
         # draft against its grammar (cut at a forbidden token, forced tokens drafted for free); every draft is
@@ -279,13 +279,13 @@ class Batch:
         hidden = self._final_hidden()
         self._round_width = len(rows) * max(len(f) for f in feeds)
         seconds = time.perf_counter() - started
-        results: list[tuple[Generation, GenerationStep]] = []
+        results: list[tuple[Generation, GenerationRound]] = []
         for row, (generation, draft, fed) in enumerate(zip(rows, drafts, feeds, strict=True)):
             try:
                 # 4. verify: the row's own rule on its own logits keeps a prefix of its draft (CSD rescues here)
                 verdict = generation.verify(draft, logits[row, : len(fed)].float())
                 # 5. emit: EOS, stop strings and the budget may cut what it emits; the round is counted
-                step = generation.emit(draft, verdict, seconds)
+                decoded = generation.emit(draft, verdict, seconds)
             except Exception as exc:  # one sequence's failure is its own: the batch goes on without it
                 log.exception("a sequence failed in its verification; dropping it from the batch")
                 self.failed.append((generation, exc))
@@ -296,7 +296,7 @@ class Batch:
             cached = 1 + verdict.round.num_kept
             self.kv.keep(row, self.kv.length(row) - len(fed) + cached)
             generation.target_hidden = hidden[row, cached - 1].clone()
-            results.append((generation, step))
+            results.append((generation, decoded))
         self.kv.settle()
         finished = [g for g in self.running if g.finish_reason is not None]
         self._store_committed(finished)

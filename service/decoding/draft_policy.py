@@ -6,7 +6,7 @@ maximises expected tokens per second,
 
     (1 + sum_{i=1..l} P(first i draft tokens kept)) / c(1 + l),     l = 0 .. len(draft),
 
-with l = 0 meaning a plain decoding step. P(first i kept) is the product of per-position survival rates
+with l = 0 meaning a plain decoding round. P(first i kept) is the product of per-position survival rates
 s_j = P(position j kept | position j - 1 kept), learned online per drafter and per *confidence key* (for the
 n-gram drafter: the length of the matched n-gram). Rates are exponentially decayed counts with an optimistic
 prior, so they follow a workload that changes. The cost table c(n) is measured once per model and machine
@@ -156,7 +156,7 @@ class DraftPolicy:
         return self.forward_costs(rows, tokens) if self.forward_costs is not None else None
 
     def choose(self, drafter: str, key: int, draft_len: int) -> int:
-        """The draft prefix length to verify for a sequence decoded alone (0: a plain step)."""
+        """The draft prefix length to verify for a sequence decoded alone (0: a plain round)."""
         return self.choose_batch([(drafter, key, draft_len)], rows=1)
 
     def choose_batch(
@@ -178,7 +178,7 @@ class DraftPolicy:
         drafter does well keeps the batch drafting even where that drafter usually misses, and a batch whose
         rows all miss decodes plainly although their drafter usually hits. The batch's forward is padded to 1 + K tokens per row
         (batch_kv.py), so it costs c(rows, 1 + K) whichever rows fill the width: K maximises
-        (rows + sum_r sum_{i <= min(K, len_r)} P_r(i)) / c(rows, 1 + K), and K = 0 (a plain step for all)
+        (rows + sum_r sum_{i <= min(K, len_r)} P_r(i)) / c(rows, 1 + K), and K = 0 (a plain round for all)
         wins whenever the drafts do not pay for the wider forward. Row r then verifies min(K, len_r).
 
         No row verifies less than that: the forward is 1 + K wide whichever rows fill it, so a row's shorter

@@ -39,19 +39,19 @@ from service.decoding.requests import (
     Output,
     PromptScored,
     QueueFull,
+    RoundDecoded,
     SchedulerStats,
     Started,
-    Stepped,
 )
 from service.decoding.scoring import prompt_logprobs
 from service.decoding.types import (
     DecodingError,
+    GenerationRound,
     GenerationStats,
-    GenerationStep,
     SamplingParams,
     SpeculativeConfig,
 )
-from service.decoding.verification import DivergenceMemory
+from service.decoding.verification import CorrectionMemory
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Engine:
         self,
         target: LoadedModel,
         drafters: dict[str, Drafter] | None = None,
-        memories: dict[str, DivergenceMemory] | None = None,
+        memories: dict[str, CorrectionMemory] | None = None,
         policy: DraftPolicy | None = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
@@ -283,12 +283,12 @@ class EngineCore:
             if request_id in self._running:
                 reason = FailReason.INVALID if isinstance(error, DecodingError) else FailReason.ENGINE_ERROR
                 self._fail(request_id, reason, str(error), outputs)
-        for generation, step in results:
+        for generation, decoded in results:
             request_id, choice = owner[id(generation)]
             running = self._running.get(request_id)
             if running is None:  # failed in this round through another of its choices
                 continue
-            self._stepped(request_id, running, choice, step, now, outputs)
+            self._round_decoded(request_id, running, choice, decoded, now, outputs)
         return CoreStep(outputs, self._stats(round_rows, ran=True))
 
     def _stats(self, round_rows: int, ran: bool) -> SchedulerStats:
@@ -382,12 +382,12 @@ class EngineCore:
             self._rows -= len(running.choices) - running.finished
         return running
 
-    def _stepped(
+    def _round_decoded(
         self,
         request_id: str,
         running: _Running,
         choice: _Choice,
-        step: GenerationStep,
+        decoded: GenerationRound,
         now: float,
         outputs: list[Output],
     ) -> None:
@@ -397,8 +397,8 @@ class EngineCore:
         choice.last_round_end = now
         timing = ChoiceTiming(choice.started, choice.first_tokens, now)
         generation = choice.generation
-        outputs.append(Stepped(request_id, choice.index, step, timing, since_last, generation.stats))
-        if step.finish_reason is None:
+        outputs.append(RoundDecoded(request_id, choice.index, decoded, timing, since_last, generation.stats))
+        if decoded.finish_reason is None:
             return
         with self._cond:
             running.finished += 1
@@ -425,15 +425,15 @@ class EngineCore:
                 del self._running[request_id]
 
 
-def run_alone(generation: Generation) -> Iterator[GenerationStep]:
-    """Decode one generation in a batch of its own; yields one step per target forward."""
+def run_alone(generation: Generation) -> Iterator[GenerationRound]:
+    """Decode one generation in a batch of its own; yields one `GenerationRound` per target forward."""
     batch = Batch(generation.target, generation.policy)
     batch.add(generation)
     try:
         while generation.finish_reason is None:
-            for stepped, step in batch.step():
-                if stepped is generation:
-                    yield step
+            for decoding, decoded in batch.step():
+                if decoding is generation:
+                    yield decoded
             for failed, error in batch.failed:
                 if failed is generation:
                     raise error
@@ -441,8 +441,10 @@ def run_alone(generation: Generation) -> Iterator[GenerationStep]:
         batch.remove(generation)
 
 
-def run_to_end(generation: Generation, on_step: Callable[[GenerationStep], None] | None = None) -> Generation:
-    for step in run_alone(generation):
-        if on_step is not None:
-            on_step(step)
+def run_to_end(
+    generation: Generation, on_round: Callable[[GenerationRound], None] | None = None
+) -> Generation:
+    for decoded in run_alone(generation):
+        if on_round is not None:
+            on_round(decoded)
     return generation

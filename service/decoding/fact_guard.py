@@ -361,7 +361,9 @@ SPECIAL = 32  # a special token (end of turn, end of text, chat markers): the tu
 WORD_START = 64  # starts with whitespace or is punctuation: the word before it has ended
 SENTENCE_END = 128  # ends with '.', '!' or '?' (closing quotes and brackets aside): a sentence may end here
 
-# how far back a word in progress is looked for (a name rarely takes more sub-word tokens than this)
+# committed tokens a rescue rule and its guards see before the round's draft (verification's `before`), and
+# so how far back a word in progress is looked for: enough for a word or a number in progress (a name rarely
+# takes more sub-word tokens than this)
 CONTEXT_TOKENS = 8
 
 _SPACE_MARKERS = ("\u0120", "\u2581", " ")  # byte-level BPE's "G", SentencePiece's "_" and a plain space

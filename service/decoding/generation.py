@@ -39,14 +39,14 @@ from service.decoding.text import IncrementalDetokenizer, StopMatcher
 from service.decoding.types import (
     DecodingError,
     EmittedToken,
+    GenerationRound,
     GenerationStats,
-    GenerationStep,
     Method,
     SamplingParams,
     SpeculativeConfig,
 )
 from service.decoding.verification import (
-    DivergenceMemory,
+    CorrectionMemory,
     RescueGuard,
     RescueRule,
     Verdict,
@@ -77,7 +77,7 @@ def rescue_guards(spec: SpeculativeConfig, target: LoadedModel) -> list[RescueGu
 
 def rescue_rule_for(
     spec: SpeculativeConfig,
-    memory: DivergenceMemory | None,
+    memory: CorrectionMemory | None,
     record_strict: bool = False,
     guards: Sequence[RescueGuard] = (),
     refused: Counter | None = None,
@@ -97,7 +97,7 @@ def rescue_rule_for(
 
 class Generation:
     """One sequence being generated. `run_alone()` (engine.py) decodes it alone (a batch of one) and yields its
-    `GenerationStep`s, one per target forward; a server's `Batch` decodes it among others.
+    `GenerationRound`s, one per target forward; a server's `Batch` decodes it among others.
 
     Stopping early (a cancelled request) simply drops the caches: nothing else to undo.
     """
@@ -109,7 +109,7 @@ class Generation:
         sampling: SamplingParams,
         spec: SpeculativeConfig,
         drafter: Drafter | None = None,
-        memory: DivergenceMemory | None = None,
+        memory: CorrectionMemory | None = None,
         record_strict: bool = False,
         policy: DraftPolicy | None = None,
         prefix_cache: PrefixCache | None = None,
@@ -235,7 +235,7 @@ class Generation:
             verdict.tokens = self._with_logprobs(verdict.tokens, logits)
         return verdict
 
-    def emit(self, draft: Draft, verdict: Verdict, seconds: float) -> GenerationStep:
+    def emit(self, draft: Draft, verdict: Verdict, seconds: float) -> GenerationRound:
         """Emit what `verify` kept (EOS, stop strings and the token budget may cut it) and count the round:
         the drafter's acceptance for the draft policy, the statistics of what was emitted."""
         if draft.tokens:
@@ -243,13 +243,13 @@ class Generation:
             self.acceptance.observe(len(draft.tokens), verdict.round.num_kept)
             if draft.key == FORCED_KEY:
                 self.stats.forced_tokens += len(draft.tokens)
-        step = self._emit(verdict)
-        self.stats.add_round(step.round)
-        self.stats.num_rejections += verdict.round.num_recovered  # what verification saw, emitted or not
+        decoded = self._emit(verdict)
+        self.stats.add_round(decoded.round)
+        self.stats.num_rejections_seen += verdict.round.num_recovered  # what verification saw, emitted or not
         self.stats.decode_seconds += seconds
         if self.grammar is not None:
             self.stats.grammar_seconds = self.grammar.seconds
-        return step
+        return decoded
 
     def _with_logprobs(self, tokens: list[EmittedToken], logits: torch.Tensor) -> list[EmittedToken]:
         """Token j of a round was chosen at row j: its logprob there, after processing and temperature
@@ -285,7 +285,7 @@ class Generation:
             self.committed,
         )
 
-    def _emit(self, verdict: Verdict) -> GenerationStep:
+    def _emit(self, verdict: Verdict) -> GenerationRound:
         """Apply EOS, the token budget and stop strings to a round's tokens; extend the sequence."""
         committed, detok, stops = self.committed, self.detok, self.stops
         emitted: list[EmittedToken] = []
@@ -325,4 +325,4 @@ class Generation:
         cut = len(emitted) < len(verdict.tokens)
         ended_on_eos = cut and verdict.tokens[len(emitted)].token_id in self.eos_ids
         round_stats = verdict.round.emitted(emitted, cut, ended_on_eos)
-        return GenerationStep(emitted, text, round_stats, self.finish_reason)
+        return GenerationRound(emitted, text, round_stats, self.finish_reason)

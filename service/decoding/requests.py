@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from service.decoding.types import GenerationStats, GenerationStep, SamplingParams, SpeculativeConfig
+from service.decoding.types import GenerationRound, GenerationStats, SamplingParams, SpeculativeConfig
 
 if TYPE_CHECKING:
     from service.decoding.generation import Generation
@@ -105,12 +105,12 @@ class Started:
 
 
 @dataclass(frozen=True)
-class Stepped:
-    """One choice's decoding round: its tokens (with provenance) and whether it finished."""
+class RoundDecoded:
+    """One choice's share of a round: its tokens (with provenance) and whether it finished."""
 
     request_id: str
     index: int
-    step: GenerationStep
+    round: GenerationRound
     timing: ChoiceTiming
     since_last: float | None  # seconds since this choice's previous round ended (None: its first)
     stats: GenerationStats  # the choice's running totals (prompt and cached tokens after the first round)
@@ -141,7 +141,7 @@ class Failed:
     was_running: bool = False  # it had entered the batch (metrics count it as finished with an error)
 
 
-Output = PromptScored | Started | Stepped | Finished | Failed
+Output = PromptScored | Started | RoundDecoded | Finished | Failed
 
 
 @dataclass(frozen=True)

@@ -231,7 +231,7 @@ class GenerationStats:
     | num_draft_tokens | draft tokens the target verified; in a round cut short (EOS, stop string, budget) only the draft positions it emitted, so acceptance_rate = num_accepted / num_draft_tokens judges the drafter on what counted |
     | num_drafts | rounds with at least one draft token counted in num_draft_tokens |
     | target_forwards | decoding rounds, one target forward each, the round that chose EOS included; prefill forwards are not rounds (their time is prefill_seconds) |
-    | num_rejections | draft tokens verification rejected, emitted past or not: the divergence patterns strict calibration records in the OCM |
+    | num_rejections_seen | rejections verification saw (a draft token not kept; at most one a round), whether or not the round emitted the recovered token after it (an EOS, stop string or the budget may cut it first; num_recovered counts only those emitted): in strict calibration each is a divergence pattern recorded in the OCM |
     | num_eos | 1 when the target chose an EOS token, which ended the generation (decided, never emitted) |
     | tokens_per_forward | (completion_tokens + num_eos) / target_forwards: tokens the rounds decided per forward; exactly 1.0 for vanilla decoding |
     | accepted_per_position, kept_per_position | rounds whose draft token at position i was emitted as accepted / as accepted or rescued |
@@ -250,7 +250,7 @@ class GenerationStats:
     num_recovered: int = 0
     num_bonus: int = 0
     num_eos: int = 0
-    num_rejections: int = 0
+    num_rejections_seen: int = 0
     # per draft position i: rounds whose draft token i was accepted (strict, vLLM's definition) / kept
     # (accepted or rescued)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -353,8 +353,8 @@ def _add_positions(totals: list[int], flags: list[bool]) -> None:
 
 
 @dataclass
-class GenerationStep:
-    """One round's output: the tokens it emitted (after stop handling) and the text they add."""
+class GenerationRound:
+    """One generation's share of a round: the tokens it emitted (after stop handling) and the text they add."""
 
     tokens: list[EmittedToken]
     text: str

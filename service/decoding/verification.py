@@ -44,6 +44,7 @@ from typing import Protocol
 
 import torch
 
+from service.decoding.fact_guard import CONTEXT_TOKENS
 from service.decoding.types import EmittedToken, Provenance, RoundStats
 
 # rule(draft_token, target_top, logits_row, before) -> keep the draft token? `before`: the tokens before
@@ -51,12 +52,10 @@ from service.decoding.types import EmittedToken, Provenance, RoundStats
 RescueRule = Callable[[int, int, torch.Tensor, Sequence[int]], bool]
 # guard(before, draft_token, target_top) -> why the rescue is refused ("turn", "fact", ...), or None
 RescueGuard = Callable[[Sequence[int], int, int], str | None]
-# committed tokens a rule sees before the round's draft (enough for a word or a number in progress)
-CONTEXT_TOKENS = 8
 
 
-class DivergenceMemory(Protocol):
-    """What CSD needs from the Online Correction Memory: count divergence patterns, read the counts.
+class CorrectionMemory(Protocol):
+    """The Online Correction Memory (OCM) as CSD needs it: count divergence patterns, read the counts.
 
     `ocm_store` provides implementations; the decoding core only knows this shape.
     """
@@ -112,7 +111,7 @@ def lossy_rule(threshold: float) -> RescueRule:
 
 
 def calibrated_rule(
-    memory: DivergenceMemory,
+    memory: CorrectionMemory,
     lambda_: float,
     tau: float,
     guards: Sequence[RescueGuard] = (),
@@ -146,7 +145,7 @@ def calibrated_rule(
     return rule
 
 
-def recording_rule(memory: DivergenceMemory) -> RescueRule:
+def recording_rule(memory: CorrectionMemory) -> RescueRule:
     """Strict decoding that still teaches the memory (offline calibration, the paper's first phase)."""
 
     def rule(draft_token: int, top: int, row: torch.Tensor, before: Sequence[int] = ()) -> bool:

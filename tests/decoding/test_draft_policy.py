@@ -24,12 +24,12 @@ def test_reliable_drafts_are_verified_in_full():
     assert policy.choose("ngram", 3, 6) == 6
 
 
-def test_drafts_that_never_survive_become_plain_steps_with_exploration():
+def test_drafts_that_never_survive_become_plain_rounds_with_exploration():
     policy = DraftPolicy(CPU_COSTS, explore_every=4)
     for _ in range(50):
         policy.observe("ngram", 2, drafted=6, kept=0)
     choices = [policy.choose("ngram", 2, 6) for _ in range(8)]
-    # three plain steps, then one exploratory full draft, twice over
+    # three plain rounds, then one exploratory full draft, twice over
     assert choices == [0, 0, 0, 6, 0, 0, 0, 6]
 
 
@@ -91,9 +91,9 @@ def _row(kept_of_6: int, rounds: int = 20) -> RowAcceptance:
 
 
 def test_a_row_whose_drafter_does_well_keeps_drafting_where_the_drafter_usually_misses():
-    """The drafter's rates say its drafts die (kept 0 of 6): alone they would be plain steps. A row whose
+    """The drafter's rates say its drafts die (kept 0 of 6): alone they would be plain rounds. A row whose
     own drafts survive keeps drafting, and a row beside it whose own drafts die rides along in the padded
-    forward (its positions cost nothing more) instead of dragging the batch to plain steps."""
+    forward (its positions cost nothing more) instead of dragging the batch to plain rounds."""
     policy = DraftPolicy(CPU_COSTS, explore_every=1000)
     for _ in range(50):
         policy.observe("ngram", 2, drafted=6, kept=0)
@@ -225,9 +225,9 @@ def test_a_batch_runs_a_dear_drafter_only_when_it_pays_and_stays_lossless(embedd
     plain = engine.generate(ids, sampling, SpeculativeConfig(method="vanilla"), "head")
     list(run_alone(plain))
     generation = engine.generate(ids, sampling, SpeculativeConfig(method="sd"), "head")
-    steps = list(run_alone(generation))
+    rounds = list(run_alone(generation))
     assert [t.token_id for t in generation.tokens] == [t.token_id for t in plain.tokens]
     # every fourth round drafts, and its draft is verified: the cap, which has learned the same rejections,
     # would have cut it to nothing
-    drafted = [s.round.num_draft_tokens for s in steps]
-    assert len(steps) // 4 - 1 <= sum(1 for d in drafted if d) <= len(steps) // 4 + 1, drafted
+    drafted = [s.round.num_draft_tokens for s in rounds]
+    assert len(rounds) // 4 - 1 <= sum(1 for d in drafted if d) <= len(rounds) // 4 + 1, drafted

@@ -20,8 +20,8 @@ from service.decoding.requests import (
     Finished,
     PromptScored,
     QueueFull,
+    RoundDecoded,
     Started,
-    Stepped,
 )
 from service.decoding.text import encode_chat
 
@@ -76,11 +76,11 @@ def test_requests_run_to_the_same_tokens_as_alone(embedded, engine) -> None:
     assert all(f.request_done and f.timing is not None for f in finished.values())
     started = [o.request_id for o in outputs if isinstance(o, Started)]
     assert sorted(started) == ["a", "b"]
-    # the streamed steps add up to the finished text, per request
+    # the streamed rounds add up to the finished text, per request
     for rid in ("a", "b"):
-        assert "".join(o.step.text for o in outputs if isinstance(o, Stepped) and o.request_id == rid) == (
-            finished[rid].text
-        )
+        assert "".join(
+            o.round.text for o in outputs if isinstance(o, RoundDecoded) and o.request_id == rid
+        ) == (finished[rid].text)
     assert core.num_running == 0 and core.num_waiting == 0
 
 
@@ -116,7 +116,7 @@ def test_abort_takes_a_request_out_of_the_queue_and_of_the_batch(embedded, engin
     failed = {o.request_id: o for o in outputs if isinstance(o, Failed)}
     assert failed["queued"].reason is FailReason.ABORTED and not failed["queued"].was_running
     assert failed["running"].reason is FailReason.ABORTED and failed["running"].was_running
-    assert not any(isinstance(o, Stepped) for o in outputs)  # it left before the round
+    assert not any(isinstance(o, RoundDecoded) for o in outputs)  # it left before the round
     assert core.idle and core.num_running == 0
     core.abort("never-heard-of")  # ignored
     assert core.idle

@@ -195,11 +195,11 @@ def test_engine_feeds_each_token_to_the_target_once_per_round(words, drafter):
         generation = engine.generate(
             prompt, SamplingParams(max_tokens=24, ignore_eos=True), SpeculativeConfig(method="sd"), drafter
         )
-        steps = list(run_alone(generation))
+        decoded = list(run_alone(generation))
     finally:
         handle.remove()
     assert fed[0] == len(prompt) - 1  # prefill: all but the last prompt token
     rounds = fed[1:]
-    assert len(rounds) == len(steps) == generation.stats.target_forwards
-    assert [1 + s.round.num_draft_tokens for s in steps] == rounds
+    assert len(rounds) == len(decoded) == generation.stats.target_forwards
+    assert [1 + s.round.num_draft_tokens for s in decoded] == rounds
     assert generation.stats.num_draft_tokens > 0

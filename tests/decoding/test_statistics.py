@@ -55,28 +55,28 @@ def engine(embedded):
     return Engine(embedded, drafters, memories)
 
 
-def assert_counters_match_provenance(generation, steps) -> None:
+def assert_counters_match_provenance(generation, rounds) -> None:
     stats, tokens = generation.stats, generation.tokens
     by = Counter(t.provenance for t in tokens)
-    assert stats.completion_tokens == len(tokens) == sum(len(s.tokens) for s in steps)
+    assert stats.completion_tokens == len(tokens) == sum(len(s.tokens) for s in rounds)
     assert stats.num_accepted == by[Provenance.ACCEPTED]
     assert stats.num_rescued == by[Provenance.RESCUED]
     assert stats.num_recovered == by[Provenance.RECOVERED]
     assert stats.num_bonus == by[Provenance.BONUS]
     assert sum(by.values()) == stats.completion_tokens
-    assert stats.target_forwards == len(steps)  # one step per round, one round per forward
-    assert stats.num_drafts == sum(1 for s in steps if s.round.num_draft_tokens)
-    assert stats.num_draft_tokens == sum(s.round.num_draft_tokens for s in steps)
+    assert stats.target_forwards == len(rounds)  # one GenerationRound per round, one round per forward
+    assert stats.num_drafts == sum(1 for s in rounds if s.round.num_draft_tokens)
+    assert stats.num_draft_tokens == sum(s.round.num_draft_tokens for s in rounds)
     assert sum(stats.accepted_per_position) == stats.num_accepted
     assert sum(stats.kept_per_position) == stats.num_accepted + stats.num_rescued
     # every round's own statistics match the tokens that round emitted
-    for step in steps:
-        round_by = Counter(t.provenance for t in step.tokens)
-        assert (step.round.num_accepted, step.round.num_rescued) == (
+    for decoded in rounds:
+        round_by = Counter(t.provenance for t in decoded.tokens)
+        assert (decoded.round.num_accepted, decoded.round.num_rescued) == (
             round_by[Provenance.ACCEPTED],
             round_by[Provenance.RESCUED],
         )
-        assert step.round.num_recovered + step.round.num_bonus == (
+        assert decoded.round.num_recovered + decoded.round.num_bonus == (
             round_by[Provenance.RECOVERED] + round_by[Provenance.BONUS]
         )
     if generation.finish_reason == "length":
@@ -99,8 +99,8 @@ def test_counters_equal_the_provenance_list(engine, embedded, method, drafter, e
         samplings.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=7))
     for sampling in samplings:
         generation = engine.generate(ids, sampling, spec, drafter or "ngram")
-        steps = list(run_alone(generation))
-        assert_counters_match_provenance(generation, steps)
+        rounds = list(run_alone(generation))
+        assert_counters_match_provenance(generation, rounds)
         if ending == "budget" and sampling.greedy and method in ("vanilla", "sd"):  # lossless: vanilla's text
             assert generation.finish_reason == "length" and len(generation.tokens) == max_tokens
         if method == "vanilla":

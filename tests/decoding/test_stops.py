@@ -37,12 +37,12 @@ def engine(embedded):
 def generate(engine, ids, method="sd", k=6, **sampling):
     spec = SpeculativeConfig(method=method, num_speculative_tokens=k)
     generation = engine.generate(ids, SamplingParams(**sampling), spec, "ngram")
-    steps = list(run_alone(generation))
-    return generation, steps
+    rounds = list(run_alone(generation))
+    return generation, rounds
 
 
-def streamed(steps) -> str:
-    return "".join(step.text for step in steps)
+def streamed(rounds) -> str:
+    return "".join(r.text for r in rounds)
 
 
 def chat(embedded, text):
@@ -62,17 +62,17 @@ def capital(engine, embedded):
 @pytest.mark.parametrize("method, k", METHODS)
 def test_eos_ends_with_stop_and_is_not_emitted(engine, embedded, method, k):
     ids = chat(embedded, CAPITAL)
-    generation, steps = generate(engine, ids, method, k, max_tokens=40)
+    generation, rounds = generate(engine, ids, method, k, max_tokens=40)
     eos = embedded.eos_token_ids()
     tokens = [t.token_id for t in generation.tokens]
-    assert generation.finish_reason == "stop" and steps[-1].finish_reason == "stop"
+    assert generation.finish_reason == "stop" and rounds[-1].finish_reason == "stop"
     assert len(tokens) < 40 and not eos & set(tokens)
     assert embedded.tokenizer.eos_token not in generation.text
     # It really was EOS that ended it: the target's next token after the output is an EOS token.
     with torch.inference_mode():
         following = int(embedded.model(input_ids=torch.tensor([ids + tokens])).logits[0, -1].argmax())
     assert following in eos
-    assert streamed(steps) == generation.text
+    assert streamed(rounds) == generation.text
 
 
 def test_ignore_eos_goes_on_to_max_tokens(engine, embedded, capital):
@@ -111,28 +111,28 @@ def test_stop_string_across_tokens_cuts_exactly_and_never_streams(engine, embedd
     stops = [stops[0], stops[len(stops) // 2], stops[-1]]  # early, middle, and the three-token one
     ids = chat(embedded, CAPITAL)
     for stop in stops:
-        generation, steps = generate(engine, ids, method, k, max_tokens=40, stop=(stop,))
+        generation, rounds = generate(engine, ids, method, k, max_tokens=40, stop=(stop,))
         expected = capital.text[: capital.text.index(stop)]
         assert generation.finish_reason == "stop", stop
         assert generation.text == expected, stop
         # Deltas only ever append, so if they add up to the text before the stop string, no part of it was
         # ever streamed (not even a prefix held back too late).
-        assert streamed(steps) == expected, stop
+        assert streamed(rounds) == expected, stop
 
 
 def test_earliest_of_several_stop_strings_wins(engine, embedded, capital):
     text = capital.text
     early, late = text[4:9], text[12:16]
-    generation, steps = generate(engine, chat(embedded, CAPITAL), max_tokens=40, stop=(late, early))
-    assert generation.text == streamed(steps) == text[: text.index(early)]
+    generation, rounds = generate(engine, chat(embedded, CAPITAL), max_tokens=40, stop=(late, early))
+    assert generation.text == streamed(rounds) == text[: text.index(early)]
 
 
 def test_stop_string_that_never_occurs_changes_nothing(engine, embedded, capital):
     """The matcher holds back a tail that could start a stop string; at the end it must give it back."""
     stop = capital.text[-3:] + "@@"  # starts like the end of the output, never completes
-    generation, steps = generate(engine, chat(embedded, CAPITAL), max_tokens=40, stop=(stop,))
+    generation, rounds = generate(engine, chat(embedded, CAPITAL), max_tokens=40, stop=(stop,))
     assert generation.finish_reason == "stop"  # by EOS
-    assert generation.text == streamed(steps) == capital.text
+    assert generation.text == streamed(rounds) == capital.text
 
 
 # ---------------------------------------------------------------- the token budget
@@ -141,17 +141,17 @@ def test_stop_string_that_never_occurs_changes_nothing(engine, embedded, capital
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7, 10])
 def test_max_tokens_is_exact_when_the_draft_is_longer_than_the_budget(engine, embedded, max_tokens):
     ids = encode_prompt(embedded.tokenizer, WEEK)
-    generation, steps = generate(engine, ids, "sd", k=8, max_tokens=max_tokens)
+    generation, rounds = generate(engine, ids, "sd", k=8, max_tokens=max_tokens)
     assert len(generation.tokens) == max_tokens
-    assert sum(len(s.tokens) for s in steps) == max_tokens
-    assert generation.finish_reason == "length" and steps[-1].finish_reason == "length"
-    assert all(s.finish_reason is None for s in steps[:-1])
+    assert sum(len(s.tokens) for s in rounds) == max_tokens
+    assert generation.finish_reason == "length" and rounds[-1].finish_reason == "length"
+    assert all(s.finish_reason is None for s in rounds[:-1])
     # never drafted what the budget could not keep: a round emits at most its draft + 1 token
     emitted = 0
-    for s in steps:
+    for s in rounds:
         assert s.round.num_draft_tokens <= max_tokens - emitted - 1
         emitted += len(s.tokens)
-    assert streamed(steps) == generation.text
+    assert streamed(rounds) == generation.text
     assert generation.text == embedded.tokenizer.decode([t.token_id for t in generation.tokens])
     if max_tokens >= 3:  # the prompt repeats itself: the drafter was used, not just budgeted away
         assert generation.stats.num_accepted > 0
@@ -180,11 +180,11 @@ def test_detokenizer_never_emits_replacement_characters(embedded):
 @pytest.mark.parametrize("method, k", METHODS)
 def test_streamed_multibyte_text_has_no_replacement_characters(engine, embedded, method, k):
     ids = encode_prompt(embedded.tokenizer, MULTIBYTE)
-    generation, steps = generate(engine, ids, method, k, max_tokens=24)
+    generation, rounds = generate(engine, ids, method, k, max_tokens=24)
     tokens = [t.token_id for t in generation.tokens]
     assert any("\ufffd" in embedded.tokenizer.decode([t]) for t in tokens), generation.text
-    assert all("\ufffd" not in s.text for s in steps)
-    assert streamed(steps) == generation.text
+    assert all("\ufffd" not in s.text for s in rounds)
+    assert streamed(rounds) == generation.text
     assert any(ord(c) > 0x7F for c in generation.text)
 
 

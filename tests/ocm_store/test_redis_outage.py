@@ -78,7 +78,7 @@ def test_killing_redis_during_generation_loses_nothing(embedded, tmp_path):
     inputs = prompts(embedded)
     stop = threading.Event()
     errors: list[BaseException] = []
-    steps = [0]
+    rounds = [0]
 
     def generate() -> None:
         try:
@@ -86,7 +86,7 @@ def test_killing_redis_during_generation_loses_nothing(embedded, tmp_path):
             while not stop.is_set():
                 generation = engine.generate(inputs[i % len(inputs)], SamplingParams(max_tokens=24), spec)
                 for _ in run_alone(generation):
-                    steps[0] += 1
+                    rounds[0] += 1
                 i += 1
         except BaseException as exc:  # reported by the assertion below
             errors.append(exc)
@@ -111,9 +111,9 @@ def test_killing_redis_during_generation_loses_nothing(embedded, tmp_path):
 
         server.kill()
         wait_until(lambda: not store.reachable(), timeout=30)
-        steps_at_kill, hammered_at_kill = steps[0], hammer_memory.total()
-        # Decoding goes on with Redis gone: more generation steps, more increments buffered.
-        wait_until(lambda: steps[0] >= steps_at_kill + 3, timeout=300, step=0.05)
+        rounds_at_kill, hammered_at_kill = rounds[0], hammer_memory.total()
+        # Decoding goes on with Redis gone: more rounds, more increments buffered.
+        wait_until(lambda: rounds[0] >= rounds_at_kill + 3, timeout=300, step=0.05)
         assert hammer_memory.total() > hammered_at_kill
         status = store.status()
         assert not status.healthy and status.extra["buffered_increments"] > 0

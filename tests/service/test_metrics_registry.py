@@ -12,7 +12,7 @@ from service.api.metrics import (
     ServiceMetrics,
     build_1_2_5_buckets,
 )
-from service.decoding.types import GenerationStep, RoundStats
+from service.decoding.types import GenerationRound, RoundStats
 
 LABELS = {"model_name": "m", "engine": "0", "method": "csd", "drafter": "ngram"}
 
@@ -91,7 +91,7 @@ def test_batch_occupancy_is_the_kv_cache_usage():
 
 def test_accepted_means_accepted_and_rescues_are_counted_apart():
     m = ServiceMetrics(3, model_name="m")
-    step = GenerationStep(
+    decoded = GenerationRound(
         text="abc",
         tokens=[],
         finish_reason=None,
@@ -104,8 +104,8 @@ def test_accepted_means_accepted_and_rescues_are_counted_apart():
             accepted_per_position=[True, False, False],
         ),
     )
-    m.record_step("csd", "ngram", step, since_arrival=0.2, since_last=None)
-    m.record_step("csd", "ngram", step, since_arrival=0.3, since_last=0.1)
+    m.record_decoded_round("csd", "ngram", decoded, since_arrival=0.2, since_last=None)
+    m.record_decoded_round("csd", "ngram", decoded, since_arrival=0.3, since_last=0.1)
     s = scrape(m)
     assert value(s, "vllm:spec_decode_num_accepted_tokens_total", **LABELS) == 2
     assert value(s, "csd_spec_decode_num_rescued_tokens_total", **LABELS) == 2

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from service.api.deps import Authorized, ServingRuntime, ServingWorker, State
-from service.api.driver import Generation, refuse_if_full, respond
+from service.api.driver import RequestRun, refuse_if_full, respond
 from service.api.formatters import ChatFormatter, CompletionFormatter
 from service.api.openapi import error_responses
 from service.api.plan import plan_chat, plan_completion
@@ -59,8 +59,8 @@ async def create_completion(
     formatter = CompletionFormatter(
         runtime.model_id, plans[0], include_usage=body.include_usage, continuous_usage=body.continuous_usage
     )
-    generation = Generation.admit(state, worker, plans, arrived)
-    return await respond(request, generation, formatter, stream=body.stream)
+    run = RequestRun.admit(state, worker, plans, arrived)
+    return await respond(request, run, formatter, stream=body.stream)
 
 
 @router.post(
@@ -86,5 +86,5 @@ async def create_chat_completion(
         tools=tools,
         continuous_usage=body.continuous_usage,
     )
-    generation = Generation.admit(state, worker, [plan], arrived)
-    return await respond(request, generation, formatter, stream=body.stream)
+    run = RequestRun.admit(state, worker, [plan], arrived)
+    return await respond(request, run, formatter, stream=body.stream)

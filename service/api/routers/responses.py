@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from service.api.deps import Authorized, ServingRuntime, ServingWorker, State
-from service.api.driver import Generation, refuse_if_full, respond, run_to_end
+from service.api.driver import RequestRun, refuse_if_full, respond, run_to_end
 from service.api.errors import NOT_CANCELLABLE, APIError, bad_request, unsupported
 from service.api.openapi import error_responses
 from service.api.plan import plan_chat
@@ -76,15 +76,15 @@ async def create_response(
         raise renamed(error, form.origins) from None
     builder = ResponseBuilder(body, runtime.model_id, tools)
     if body.background:
-        generation = Generation.admit(state, worker, [plan], arrived, abandoned="cancelled")
-        return JSONResponse(_start_in_background(store, generation, builder, form).response)
+        run = RequestRun.admit(state, worker, [plan], arrived, abandoned="cancelled")
+        return JSONResponse(_start_in_background(store, run, builder, form).response)
 
     def keep() -> None:
         if body.store:
             store.put(builder.id, StoredResponse(builder.response(), builder.conversation(form.conversation)))
 
-    generation = Generation.admit(state, worker, [plan], arrived)
-    return await respond(request, generation, ResponsesFormatter(builder, plan, keep), stream=body.stream)
+    run = RequestRun.admit(state, worker, [plan], arrived)
+    return await respond(request, run, ResponsesFormatter(builder, plan, keep), stream=body.stream)
 
 
 @router.get(
@@ -136,23 +136,23 @@ async def cancel_response(response_id: str, request: Request) -> Response:
 
 
 def _start_in_background(
-    store: ResponseStore, generation: Generation, builder: ResponseBuilder, form: ChatForm
+    store: ResponseStore, run: RequestRun, builder: ResponseBuilder, form: ChatForm
 ) -> StoredResponse:
-    """Store the response queued and run its generation in a task of the event loop."""
+    """Store the response queued and run it (its `RequestRun`) in a task of the event loop."""
     stored = StoredResponse(builder.response(), background=True)
 
     def cancel() -> None:
         builder.stop("cancelled")
         stored.response = builder.response()
-        generation.cancel("cancelled")
+        run.cancel("cancelled")
 
     def keep() -> None:
         stored.conversation = builder.conversation(form.conversation)
 
     stored.cancel = cancel
     store.put(builder.id, stored)
-    formatter = ResponsesFormatter(builder, generation.plans[0], keep)
-    stored.task = asyncio.get_running_loop().create_task(_generate(generation, formatter, stored))
+    formatter = ResponsesFormatter(builder, run.plans[0], keep)
+    stored.task = asyncio.get_running_loop().create_task(_generate(run, formatter, stored))
     return stored
 
 
@@ -162,7 +162,7 @@ def _cancel(stored: StoredResponse) -> None:
     stored.task.cancel()  # it may be waiting for the engine's answer to the abort: nothing is left to read
 
 
-async def _generate(generation: Generation, formatter: ResponsesFormatter, stored: StoredResponse) -> None:
+async def _generate(run: RequestRun, formatter: ResponsesFormatter, stored: StoredResponse) -> None:
     """Run a background response to its end through the driver, keeping its stored record up to date. Every
     way out leaves the record in a final status: completed or incomplete, failed (timeout, engine failure,
     shutdown: the formatter's error) or cancelled (by POST .../cancel, DELETE, or the server stopping its
@@ -174,9 +174,9 @@ async def _generate(generation: Generation, formatter: ResponsesFormatter, store
         stored.response = builder.response()
 
     try:
-        await run_to_end(generation, formatter, started)
+        await run_to_end(run, formatter, started)
     except asyncio.CancelledError:
-        generation.cancel("cancelled")
+        run.cancel("cancelled")
         if builder.running:  # not cancelled by a client: the server stopped
             builder.stop("cancelled")
         raise
