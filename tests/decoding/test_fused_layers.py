@@ -113,10 +113,26 @@ def test_the_4bit_kernel_gives_a_row_the_same_bits_for_any_row_and_thread_count(
         alone = torch.cat(
             [kernels.int4_linear(x[i : i + 1].contiguous(), packed, scale, low) for i in range(19)]
         )
-        for count in range(2, 20):  # every tile of 4, 2 and 1 rows, and mixes of them
+        for count in range(2, 20):  # every tile (8 with AVX-512VL, 4, 3, 2, 1 rows), and mixes of them
             assert torch.equal(kernels.int4_linear(x[:count].contiguous(), packed, scale, low), alone[:count])
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_vnni_build_gives_the_avx2_builds_bits(kernels, monkeypatch):
+    """On a CPU with VNNI the kernel sums a block's bytes with it; the integers, and so every output's bits,
+    must be those of the AVX2 build that CPUs without it run (what a fleet of mixed CPUs serving one model
+    and a capped test run rely on)."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # native.build adds -mno-avx512f
+    capped = native.build("int4_linear")
+    assert capped is not None
+    if "vnni" not in kernels.isa() or "vnni" in capped.isa():
+        pytest.skip(f"this CPU's build ({kernels.isa()}) has no VNNI path to compare with AVX2's")
+    (packed, scale, low), _ = int4_weight(208, 1536, seed=6)
+    x = torch.randn(11, 1536, generator=torch.Generator().manual_seed(7)) * 3
+    for count in (1, 3, 4, 8, 11):
+        rows = x[:count].contiguous()
+        assert torch.equal(kernels.int4_linear(rows, packed, scale, low), capped.int4_linear(rows, packed, scale, low))
 
 
 def test_the_4bit_kernel_refuses_what_it_cannot_read(kernels):

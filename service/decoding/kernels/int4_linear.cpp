@@ -35,6 +35,17 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #define CSD_INT4_AVX2 1
 #include <immintrin.h>
+// VNNI's one instruction for a 4-byte unsigned x signed dot product added to a 32-bit lane (AVX512-VNNI on
+// 256-bit vectors: Zen 4, Ice Lake and later Xeons; AVX-VNNI: Alder Lake and later) replaces AVX2's three
+// (two pairwise multiplies, one add; and one widening multiply-add a block). The sums are the same integers:
+// AVX2's 16-bit pairs cannot overflow here (see group_rows), so every build gives a row the same bits.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CSD_INT4_VNNI 1
+#define CSD_DOT_BYTES _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define CSD_INT4_VNNI 1
+#define CSD_DOT_BYTES _mm256_dpbusd_avx_epi32
+#endif
 #endif
 
 namespace {
@@ -42,7 +53,13 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kColumns = 8;     // columns interleaved in the packed layout (one per 32-bit lane)
 constexpr int64_t kGroupBytes = 128;  // one block of 8 columns
-constexpr int kMaxTile = 4;         // rows that share one read of a block: 2 of AVX2's 16 registers a row
+// rows that share one read of a block, two registers a row: 4 in AVX2's 16 vector registers, 8 where AVX-512VL
+// gives 256-bit code 32 of them (the weights' decoding, shared by the tile, then costs half as much a row)
+#if defined(__AVX512VL__)
+constexpr int kMaxTile = 8;
+#else
+constexpr int kMaxTile = 4;
+#endif
 
 // A call's activations, quantised per block (see the top), block-major so that the rows of a tile sit side by
 // side for each block (one pointer a tile, each row at a fixed offset): xq [K / 32, R, 32] int8; the scales a,
@@ -98,39 +115,71 @@ inline void group_rows(const uint8_t* __restrict w, const float* __restrict d, c
                        const Quantised& xs, int64_t r0, int64_t rows, int64_t blocks, Out* __restrict out,
                        int64_t out_stride) {
   const __m256i low = _mm256_set1_epi8(0x0F);
+#if !CSD_INT4_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
+#endif
   __m256 acc[T];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = w + b * kGroupBytes;
     const int8_t* xb = xs.xq + (b * rows + r0) * kBlock;
+#if CSD_INT4_VNNI
+    // per row, the block's 8 columns' integer dot products, one per 32-bit lane, in C independent chains (a
+    // dot-product instruction waits ~5 cycles for the one before it on the same register; integer sums: any
+    // order is exact)
+    constexpr int C = T >= 8 ? 1 : (T >= 4 ? 2 : (T == 3 ? 3 : 8 / T));
+    __m256i chains[T][C];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) chains[t][c] = _mm256_setzero_si256();
+#else
     // per row, the block's 8 columns' integer dot products as 16-bit pairs: each of the 8 products summed
     // here is at most 2 * 15 * 127 in magnitude, so their sum (30,480) fits
     __m256i pairs[T];
+#endif
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i));
       const __m256i lo = _mm256_and_si256(v, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int t = 0; t < T; ++t) {
         int32_t x_lo, x_hi;  // the row's activation bytes 4i..4i + 3 and 16 + 4i..16 + 4i + 3
         std::memcpy(&x_lo, xb + t * kBlock + 4 * i, 4);
         std::memcpy(&x_hi, xb + t * kBlock + 16 + 4 * i, 4);
+#if CSD_INT4_VNNI
+        chains[t][(2 * i) % C] = CSD_DOT_BYTES(chains[t][(2 * i) % C], lo, _mm256_set1_epi32(x_lo));
+        chains[t][(2 * i + 1) % C] = CSD_DOT_BYTES(chains[t][(2 * i + 1) % C], hi, _mm256_set1_epi32(x_hi));
+#else
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x_lo)),
                                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x_hi)));
         pairs[t] = i == 0 ? p : _mm256_add_epi16(pairs[t], p);
+#endif
       }
     }
+#if CSD_INT4_VNNI
+    __m256i sums[T];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      sums[t] = chains[t][0];
+#pragma GCC unroll 8
+      for (int c = 1; c < C; ++c) sums[t] = _mm256_add_epi32(sums[t], chains[t][c]);
+    }
+#endif
     const __m256 dv = _mm256_loadu_ps(d + b * kColumns);
     const __m256 mv = _mm256_loadu_ps(m + b * kColumns);
     const float* a = xs.scale + b * rows + r0;
     const float* s = xs.sums + b * rows + r0;
     const float* c = xs.corrections + b * rows + r0;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
+#if CSD_INT4_VNNI
+      const __m256 dot = _mm256_cvtepi32_ps(sums[t]);
+#else
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[t], ones));
+#endif
       acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(a[t])), acc[t]);
       acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(s[t]), acc[t]);
       acc[t] = _mm256_fmadd_ps(dv, _mm256_set1_ps(c[t]), acc[t]);
@@ -190,9 +239,15 @@ void run(const Quantised& xs, const uint8_t* w, const float* d, const float* m, 
         group_rows<T>(wg, dg, mg, xs, r, rows, blocks, out + r * n_out + g * kColumns, n_out);
         r += T;
       };
+      // the largest tiles first, then one tile for the rest: 3 rows as one tile, not a 2-row and a 1-row one
+      // (each tile reads and decodes the weights once)
       while (rows - r >= kMaxTile) tile(std::integral_constant<int, kMaxTile>{});
-      if (rows - r >= 2) tile(std::integral_constant<int, 2>{});
-      if (rows - r >= 1) tile(std::integral_constant<int, 1>{});
+      if constexpr (kMaxTile > 4) {
+        if (rows - r >= 4) tile(std::integral_constant<int, 4>{});
+      }
+      if (rows - r == 3) tile(std::integral_constant<int, 3>{});
+      if (rows - r == 2) tile(std::integral_constant<int, 2>{});
+      if (rows - r == 1) tile(std::integral_constant<int, 1>{});
     }
   });
 }
@@ -535,7 +590,11 @@ torch::Tensor output_mlp(const torch::Tensor& attn, const torch::Tensor& residua
 }
 
 std::string isa() {
-#if CSD_INT4_AVX2
+#if CSD_INT4_VNNI && defined(__AVX512VL__)
+  return "avx2+avx512vnni";
+#elif CSD_INT4_VNNI
+  return "avx2+avxvnni";
+#elif CSD_INT4_AVX2
   return "avx2";
 #else
   return "portable";
