@@ -10,7 +10,7 @@ engine serves today:
 - `int4`: `load_model(weights="int4")` (what `--weights auto` serves for a 4-bit GGUF on the CPU): the linear
   layers' 4-bit groups (`int4_weights`) in the body `--dtype auto` picks; `int4-bf16` the same in bf16's
   batch-invariant body, `int4-fp32` in an fp32 body (row-aligned attention), both with the LM head from the
-  GGUF's 8-bit blocks (`q8_head`; a packed fp32 copy past 4 rows), the two
+  GGUF's 8-bit blocks (`q8_head`), the two
   bodies `auto` chooses between by the CPU's native bf16;
 - `hf-fp32` / `hf-bf16` (references, not served): the stock transformers model (`nn.Linear`, SDPA) through the
   same cache, to show what the engine's kernels change.
@@ -153,8 +153,7 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of weights one forward reads once: {"total", "head"}. Each module's own parameters and buffers
     (packed copies included, each tensor once); embeddings are left out (a forward reads only the rows it
     looks up), and so is an fp32 LM head's tied bf16 `weight`, which its packed copy replaces. An 8-bit head
-    (`Q8Head`) counts its blocks: what a forward of up to Q8_MAX_ROWS rows reads (wider ones read its packed
-    fp32 copy instead)."""
+    (`Q8Head`) counts its packed blocks (weights, scales and weight sums), not the tied fp32 weight."""
     from service.decoding.batch_invariant import FP32LogitsHead
     from service.decoding.q8_head import Q8Head
 
@@ -168,8 +167,8 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
         if isinstance(module, FP32LogitsHead):
             tensors = list(module.packed.buffers())  # counted here, as the head's: its submodule adds 0
         if isinstance(module, Q8Head):
-            tensors = [module.q, module.scales]
-            seen.update(id(t) for t in [module.weight, *module.wide.buffers()])
+            tensors = list(module.matrix.buffers())  # counted here, as the head's: its submodule adds 0
+            seen.add(id(module.weight))
         size = 0
         for tensor in tensors:
             if id(tensor) not in seen:

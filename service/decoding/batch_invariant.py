@@ -41,8 +41,8 @@ int4 matmuls are row-invariant, its norms elementwise). Its LM head is not made 
 rounding follows it, so its logits differ across batch shapes by fp32 rounding only, as a dense fp32 model's
 do, and running a single row as two would have doubled its cost on an AVX2 CPU (oneDNN's one-row kernel read
 the 113 MB weight in 7.6 ms, its two-row one in 14.7). A 4-bit GGUF's head, in either body, reads the file's
-8-bit blocks (`q8_head.Q8Head`: fp32 logits, a row's bits the same for 1 to 4 rows, a packed fp32 copy past
-that), with the same tolerance: fp32 rounding across batch shapes, on bit-identical hidden states.
+8-bit blocks (`q8_head.Q8Head`: fp32 logits, a row's bits the same for any row count), so its logits are
+bit-identical across batch shapes too, on bit-identical hidden states.
 fp32 attention needs one more step: MKL's fp32 matmul (same CPU) sums a row of a 4-row or larger matmul
 in another order than one of 1 to 3 rows, yet a row's bits do not depend on its place in a matmul of fixed
 shape; so in fp32 each attention matmul runs exactly FP32_QUERY_BLOCK queries, a short block padded with

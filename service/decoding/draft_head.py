@@ -102,7 +102,7 @@ class RecurrentDraftHead(nn.Module):
         # the target's, never saved with the head: [V, d] embeddings, [draft_vocab_size, d] LM-head rows
         self.embed: torch.Tensor | None = None
         self.lm_rows: torch.Tensor | None = None
-        self._lm_blocks: tuple | None = None  # (kernel, q, scales): see use_8bit_blocks
+        self._lm_blocks: torch.nn.Module | None = None  # a q8_head.Q8Matrix: see use_8bit_blocks
 
     def bind(self, embed: torch.Tensor, lm_head: torch.Tensor) -> RecurrentDraftHead:
         """Attach the target's token embeddings [V, d] and full LM-head weight [V, d] (frozen)."""
@@ -136,8 +136,7 @@ class RecurrentDraftHead(nn.Module):
         for norm, mlp in zip(self.mlp_norms, self.mlps, strict=True):
             state = state + mlp(norm(state))
         if self._lm_blocks is not None:  # the draft vocabulary's rows from 8-bit blocks (`use_8bit_blocks`)
-            kernel, q, scales = self._lm_blocks
-            return state, kernel(self.out_norm(state).float().contiguous(), q, scales).to(state.dtype)
+            return state, self._lm_blocks(self.out_norm(state)).to(state.dtype)
         logits = self.out_norm(state) @ self.lm_rows.to(state.dtype).T
         return state, logits
 
@@ -149,7 +148,7 @@ class RecurrentDraftHead(nn.Module):
         quantised (~0.2 % of a block's largest weight). Only where the kernel builds, on the CPU, in fp32,
         after `bind()`, and every layer's input a multiple of 32; returns whether it did. Serving only:
         training keeps the fp32 module."""
-        from service.decoding.q8_head import BLOCK, Q8Linear, q8_kernel, quantize_q8
+        from service.decoding.q8_head import BLOCK, Q8Linear, Q8Matrix, q8_kernel, quantize_q8
 
         linears = [block.up for block in (self.mix, *self.mlps)] + [
             block.down for block in (self.mix, *self.mlps)
@@ -168,7 +167,7 @@ class RecurrentDraftHead(nn.Module):
         for block in (self.mix, *self.mlps):
             block.up = Q8Linear(block.up, kernel)
             block.down = Q8Linear(block.down, kernel)
-        self._lm_blocks = (kernel, *quantize_q8(self.lm_rows))
+        self._lm_blocks = Q8Matrix(quantize_q8(self.lm_rows), kernel)
         return True
 
     def full_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,29 +1,24 @@
-"""The LM head of a GGUF from its own 8-bit blocks: a quarter of fp32's bytes a forward, fp32 logits.
+"""The LM head of a GGUF from its own 8-bit blocks: a quarter of fp32's bytes a forward, integer dot products.
 
 A one-token forward of the embedded model read its fp32 LM head (49,152 x 576, 113 MB) in 7-9 ms: a quarter to
 a third of the whole forward once the body runs from 4-bit blocks (`int4_weights`). The GGUF stores that
 matrix (the token embeddings, tied) as Q8_0: blocks of 32 int8 weights and one float16 scale, 28 MB. llama.cpp
-reads those bytes; so does `Q8Head`, with a small C++ kernel (`kernels/q8_linear.cpp`): fp32 activations
-times scale * q, decoded in registers, fp32 logits. The weights are the file's own (found again exactly, as
-the 4-bit body's are: `q8_blocks`), and every logit is their dot product in fp32 to rounding, so quality is
-the fp32 head's. Measured on the embedded model's head (AMD EPYC with AVX512-BF16, 1 thread): 3.3 ms for one
-row against 7.8 for the oneDNN-packed fp32 head, 5.9 against 7.0 at 4 rows, 10.8 against 9.4 at 8; a whole
-forward of the embedded model (int4 body in bf16) 28.5 against 34.9 ms at width 1, 31.6 against 37.2 at 2.
-On AVX2 the kernel holds a row's lanes in registers (the generic loop's stayed in memory) and decodes a block
-once for up to 4 rows: on an AVX2-only EPYC (Zen 3, 1 thread) 3.1 ms at one row, 5.0 at 4, 9.0 at 8 against
-4.3-5.2, 7.9 and 13.6 for the generic loop (and 8.2 / 11.7 / 16.1 for the packed fp32 head).
+reads those bytes, and multiplies them as integers with the activations quantised to 8 bits per block (its
+Q8_0 x Q8_0 dot product); so does `Q8Head`, with a small C++ kernel (`kernels/q8_linear.cpp`, its layout made
+by `pack_q8`): 32 multiply-adds an instruction where fp32 did 8 (one VNNI instruction a 4-byte dot product
+where the CPU has it), fp32 logits. The weights are the file's own (found again exactly, as the 4-bit body's
+are: `q8_blocks`); the activations' 8-bit rounding moves a logit by ~0.5 % of the row's logit scale, the
+order of the 4-bit body's own activation rounding (quality against the fp32 model: `bench.weight_quality`).
 
-Past Q8_MAX_ROWS rows (wide verifications, batches) the kernel, which is compute-bound (it decodes every
-weight block once per 4 rows and multiplies in fp32), loses to oneDNN's blocked sgemm (on the AVX512-BF16 EPYC,
-with the generic loop, 16 rows 22 vs 12 ms; on the AVX2 EPYC it still wins at 16 rows, 20.0 vs 21.4),
-so such calls take the packed fp32 copy of the same weights (`cpu_kernels.PackedLinear`). The two kernels sum in different orders: a row's logits in a wide batch
-and alone differ by fp32 rounding (~1e-6), as the logits of any fp32 model do across batch shapes; the
-hidden states they are computed from keep their bits (`batch_invariant`). Within the 8-bit kernel a row gets
-the same bits for any row count and thread count (every output is computed by the same instructions).
+The kernel serves every row count: it is compute-light enough to beat oneDNN's fp32 sgemm on a packed copy at
+any width (which the fp32-activation kernel before it handed calls past 8 rows to), so no fp32 copy is kept
+(113 MB), and a row's logits have the same bits alone, in a wide verification or in a batch (every output is
+computed by the same instructions, whatever the row and thread count and whether the VNNI, AVX2 or portable
+path runs).
 
 The kernel is compiled on first use, for this CPU, into the model cache (`native`): about 30-50 s once, a few
-ms after. Without a C++ compiler and ninja (or if the build fails) the
-head stays the packed fp32 one, with a warning: the same logits to fp32 rounding, slower.
+ms after. Without a C++ compiler and ninja (or if the build fails) the head stays the packed fp32 one, with a
+warning: logits within the activations' rounding, slower.
 """
 
 from __future__ import annotations
@@ -35,21 +30,20 @@ from collections.abc import Callable
 import torch
 
 from service.decoding import native
-from service.decoding.cpu_kernels import PackedLinear
 
 log = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per scale: GGUF's Q8_0 block
-# rows (positions) up to which a call runs the 8-bit kernel; wider calls run the packed fp32 copy. Measured on
-# an AVX2 EPYC, 1 thread, the embedded head: 8 rows 9.0 ms against 16.1 for the packed copy, 16 rows 20.0 vs 21.4
-Q8_MAX_ROWS = 8
+COLUMNS = 8  # output columns interleaved in the kernel's layout (one per 32-bit lane)
 PROFILE_SCOPE = "csd::q8_linear"  # the kernel's span under torch.profiler (it is no aten operator)
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @functools.cache
-def q8_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """`q8_linear(x [N, K] fp32, q [V, K] int8, scales [V, K / 32] fp32) -> [N, V] fp32`, built once per
-    machine kind into the model cache (`native`); None where it cannot be built (logged)."""
+def q8_kernel() -> Kernel | None:
+    """`q8_linear(x [R, K] fp32, w, scales, sums, n) -> [R, n] fp32` over weights packed by `pack_q8`, built
+    once per machine kind into the model cache (`native`); None where it cannot be built (logged)."""
     module = native.build("q8_linear")
     if module is None:
         log.warning("without the 8-bit kernel the LM head stays fp32")
@@ -85,66 +79,83 @@ def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return q, scales
 
 
+def pack_q8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks (q [N, K] int8, scales [N, K / 32] fp32) in `kernels/q8_linear.cpp`'s layout, the N rows
+    padded with zeros to a multiple of 8: (w [N', K] int8 in memory order [N' / 8, K / 32, 8, 8, 4]: per group
+    of 8 columns and block of 32 weights, eight runs of 32 bytes, column c's 4 bytes of run i its block weights
+    4i..4i + 3; scales and the blocks' weight sums (int32) [N' / 8, K / 32, 8] held as [N', K / 32])."""
+    n, k = q.shape
+    padded = -(-n // COLUMNS) * COLUMNS
+    if padded != n:
+        q = torch.cat([q, q.new_zeros(padded - n, k)])
+        scales = torch.cat([scales, scales.new_zeros(padded - n, k // BLOCK)])
+    # [group, column, block, run i, byte e] -> [group, block, run, column, byte]
+    w = q.reshape(padded // COLUMNS, COLUMNS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(padded, k)
+    sums = q.reshape(padded, k // BLOCK, BLOCK).sum(-1, dtype=torch.int32)
+    return w.contiguous(), interleave(scales.float()), interleave(sums)
+
+
+def interleave(t: torch.Tensor) -> torch.Tensor:
+    """Per-block values [N', K / 32] in the kernel's order, [N' / 8, K / 32, 8] held as [N', K / 32]."""
+    n, blocks = t.shape
+    return t.reshape(n // COLUMNS, COLUMNS, blocks).transpose(1, 2).contiguous().reshape(n, blocks)
+
+
+class Q8Matrix(torch.nn.Module):
+    """A weight [N, K] as packed 8-bit blocks and the kernel that multiplies by it: `matrix(x [R, K])` is
+    x W^T, [R, N] fp32, for any R. The packed layouts are buffers, never saved."""
+
+    def __init__(self, blocks: tuple[torch.Tensor, torch.Tensor], kernel: Kernel) -> None:
+        super().__init__()
+        q, scales = blocks
+        self.out_features, self.in_features = q.shape
+        w, packed_scales, sums = pack_q8(q, scales)
+        self.register_buffer("w", w, persistent=False)
+        self.register_buffer("scales", packed_scales, persistent=False)
+        self.register_buffer("sums", sums, persistent=False)
+        self._kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        with torch.profiler.record_function(PROFILE_SCOPE):
+            y = self._kernel(rows, self.w, self.scales, self.sums, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
 class Q8Head(torch.nn.Module):
     """An LM head (`nn.Linear` without bias) from 8-bit blocks: fp32 logits from fp32 or bf16 hidden states.
     `weight` stays the model's own (tied) Parameter, for code that reads it (a draft head binds it)."""
 
     def __init__(
-        self,
-        linear: torch.nn.Linear,
-        blocks: tuple[torch.Tensor, torch.Tensor],
-        kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        self, linear: torch.nn.Linear, blocks: tuple[torch.Tensor, torch.Tensor], kernel: Kernel
     ) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
-        q, scales = blocks
-        # derived layouts: buffers, never saved
-        self.register_buffer("q", q, persistent=False)
-        self.register_buffer("scales", scales, persistent=False)
-        dense = torch.nn.Linear(self.in_features, self.out_features, bias=False)
-        with torch.no_grad():
-            dense.weight.copy_((q.float().reshape(-1, BLOCK) * scales.reshape(-1, 1)).reshape(q.shape))
-        self.wide = PackedLinear(dense)
-        self._kernel = kernel
+        self.matrix = Q8Matrix(blocks, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, shape[-1]).float().contiguous()
-        if rows.shape[0] > Q8_MAX_ROWS:
-            y = self.wide(rows)
-        else:
-            with torch.profiler.record_function(PROFILE_SCOPE):
-                y = self._kernel(rows, self.q, self.scales)
-        return y.reshape(*shape[:-1], self.out_features)
+        return self.matrix(x)
 
 
 class Q8Linear(torch.nn.Module):
     """An `nn.Linear` (bias or not) read from 8-bit blocks by the kernel, fp32 in and out, for every row count:
     the draft head's layers, a fifth of its fp32 bytes (`RecurrentDraftHead.use_8bit_blocks`)."""
 
-    def __init__(
-        self,
-        linear: torch.nn.Linear,
-        kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    ) -> None:
+    def __init__(self, linear: torch.nn.Linear, kernel: Kernel) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        q, scales = quantize_q8(linear.weight)
-        self.register_buffer("q", q, persistent=False)
-        self.register_buffer("scales", scales, persistent=False)
+        self.matrix = Q8Matrix(quantize_q8(linear.weight), kernel)
         bias = linear.bias.detach().float().clone() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
-        self._kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = self._kernel(x.reshape(-1, shape[-1]).float().contiguous(), self.q, self.scales)
+        y = self.matrix(x)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y.to(x.dtype)
 
 
 def head_blocks(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:

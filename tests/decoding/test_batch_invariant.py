@@ -74,11 +74,10 @@ def head_inputs(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
 
 
 def assert_same_bits(loaded, got: torch.Tensor, want: torch.Tensor, got_hidden, want_hidden) -> None:
-    """Logits (and the head's inputs) that batching must not change. A bf16 body's row-blocked fp32 head
-    gives bit-identical logits; any other head (an fp32 body's packed one, the 8-bit one of a GGUF, which
-    hands calls past Q8_MAX_ROWS rows to a packed copy) may differ by fp32 rounding alone, on bit-identical
-    inputs (the body's output)."""
-    if isinstance(loaded.model.get_output_embeddings(), FP32LogitsHead):
+    """Logits (and the head's inputs) that batching must not change. A bf16 body's row-blocked fp32 head and
+    the 8-bit one of a GGUF give bit-identical logits; an fp32 body's packed one may differ by fp32 rounding
+    alone, on bit-identical inputs (the body's output)."""
+    if isinstance(loaded.model.get_output_embeddings(), (FP32LogitsHead, Q8Head)):
         assert torch.equal(got, want)
         return
     assert torch.equal(got_hidden, want_hidden)

@@ -1,142 +1,259 @@
-// y = x W^T for a weight held as 8-bit blocks (GGUF's Q8_0: 32 int8 weights and one scale a block), with fp32
-// activations and fp32 output: the LM head of a GGUF whose token embeddings are Q8_0, read as 1 byte a weight
-// instead of fp32's 4. See service/decoding/q8_head.py for why and how it is used.
+// y = x W^T for a weight held as 8-bit blocks (GGUF's Q8_0: 32 int8 weights q and one scale s a block), fp32
+// in and out: the LM head of a GGUF whose token embeddings are Q8_0 (and the draft head's layers), read as 1
+// byte a weight instead of fp32's 4. See service/decoding/q8_head.py for why and how it is used.
 //
-// Every output (row n, column v) is computed by the same instructions in the same order whatever the number
-// of rows and threads: w = scale * q is exact in fp32 (a float16 scale times an int8), 32 lane accumulators
-// take w * x block after block, and the lanes are summed in a fixed order. So a row's logits have the same
-// bits alone or in a batch (what strict speculative decoding needs), and they are the dot products of the
-// file's own weights to fp32 rounding.
+// The activations are quantised to 8 bits per block of 32 as llama.cpp does for its Q8_0 dot products
+// (x ~ a * xq, a = max|x| / 127, xq in -127..127), so a block's product is an exact integer dot product,
+// sum_k w_k x_k ~ s * a * sum_k q_k xq_k: 32 multiply-adds an instruction where fp32 did 8, and no weight
+// widened to fp32. With VNNI a 4-byte dot product is one instruction (unsigned x signed: the activations go
+// in offset by 128, and the 128 * sum q it adds is taken off before the first block product, from sums
+// computed at packing); on AVX2 the same integers come from llama.cpp's sign trick, |q| times xq with q's
+// sign, in 16-bit pairs (each at most 2 * 127 * 127: no saturation).
+//
+// Weight layout (made by `pack_q8` in q8_head.py): vocabulary rows (output columns) in groups of 8, and per
+// group and block 256 bytes, eight runs of 32: in run i, the 4 bytes of column c (bytes 4c..4c + 3) are the
+// column's block weights 4i..4i + 3. The scales s and the weight sums follow the same order, [N / 8, K / 32,
+// 8]. So one 32-byte run, times a row's 4 activation bytes broadcast to every lane, gives 8 columns' partial
+// dot products at once, one column per 32-bit lane (the 4-bit kernel's layout, int4_linear.cpp).
+//
+// Every output (row r, column n) is computed by the same instructions in the same order whatever the number
+// of rows and threads and whichever of the three paths runs (a row's quantisation depends on the row alone,
+// integer sums are exact, the fp32 combination runs block after block in a fixed order in the column's own
+// lane): a row has the same bits alone or in a batch, what strict speculative decoding and batch invariance
+// need.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define CSD_Q8_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CSD_Q8_VNNI 1
+#define CSD_DOT_BYTES _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define CSD_Q8_VNNI 1
+#define CSD_DOT_BYTES _mm256_dpbusd_avx_epi32
+#endif
 #endif
 
 namespace {
 
 constexpr int64_t kBlock = 32;
-
-inline float lane_sum(const float* lanes) {
-  // a fixed pairwise order, the same for every output
-  float s[16];
-  for (int i = 0; i < 16; ++i) s[i] = lanes[i] + lanes[i + 16];
-  for (int i = 0; i < 8; ++i) s[i] = s[i] + s[i + 8];
-  for (int i = 0; i < 4; ++i) s[i] = s[i] + s[i + 4];
-  return (s[0] + s[2]) + (s[1] + s[3]);
-}
-
-// a * b + c: one fused instruction where the CPU has FMA (every x86 CPU with AVX2 but a few), else a multiply
-// and an add; the same in every tile either way
-inline float madd(float a, float b, float c) {
-#ifdef __FMA__
-  return __builtin_fmaf(a, b, c);
+constexpr int64_t kColumns = 8;       // columns interleaved in the packed layout (one per 32-bit lane)
+constexpr int64_t kGroupBytes = 256;  // one block of 8 columns
+// rows that share one read of a block, two registers a row: 4 in AVX2's 16 vector registers, 8 where AVX-512VL
+// gives 256-bit code 32 of them
+#if defined(__AVX512VL__)
+constexpr int kMaxTile = 8;
 #else
-  return a * b + c;
+constexpr int kMaxTile = 4;
 #endif
-}
 
-// `T` rows against one weight row: the block is decoded once for all of them. Every row gets the same
-// operations as alone (lane-wise fused multiply-add, `madd`; built with -ffp-contract=off so the compiler
-// fuses nothing else, differently in one tile than in another).
-template <int T>
-inline void dot_rows(const int8_t* __restrict qrow, const float* __restrict srow, const float* __restrict x,
-                     int64_t k, int64_t groups, float* __restrict out, int64_t out_stride) {
-  alignas(64) float lanes[T][kBlock] = {};
-  alignas(64) float w[kBlock];
-  for (int64_t g = 0; g < groups; ++g) {
-    const float s = srow[g];
-    const int8_t* __restrict qb = qrow + g * kBlock;
-    for (int i = 0; i < kBlock; ++i) w[i] = s * static_cast<float>(qb[i]);
-    for (int t = 0; t < T; ++t) {
-      const float* __restrict xb = x + t * k + g * kBlock;
-      for (int i = 0; i < kBlock; ++i) lanes[t][i] = madd(w[i], xb[i], lanes[t][i]);
+// A call's activations quantised per block, block-major so that a tile's rows sit side by side for each block:
+// xq [K / 32, R, 32] (int8; offset by 128 as uint8 on the VNNI path), scales a [K / 32, R]. Held in buffers of
+// the calling thread, reused call after call.
+struct Quantised {
+  const int8_t* xq;
+  const float* scale;
+};
+
+Quantised quantise(const float* x, int64_t rows, int64_t k) {
+  thread_local std::vector<int8_t> xq_buffer;
+  thread_local std::vector<float> scale_buffer;
+  const int64_t blocks = k / kBlock;
+  xq_buffer.resize(static_cast<size_t>(rows * k));
+  scale_buffer.resize(static_cast<size_t>(rows * blocks));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * k + b * kBlock;
+      float amax = 0.f;
+      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* qb = xq_buffer.data() + (b * rows + r) * kBlock;
+      for (int i = 0; i < kBlock; ++i) {
+        const int q = static_cast<int>(std::nearbyint(xb[i] * inv));
+#if CSD_Q8_VNNI
+        const uint8_t offset = static_cast<uint8_t>(q + 128);
+        std::memcpy(qb + i, &offset, 1);
+#else
+        qb[i] = static_cast<int8_t>(q);
+#endif
+      }
+      scale_buffer[b * rows + r] = amax / 127.f;
     }
   }
-  for (int t = 0; t < T; ++t) out[t * out_stride] = lane_sum(lanes[t]);
+  return Quantised{xq_buffer.data(), scale_buffer.data()};
 }
 
 #if CSD_Q8_AVX2
-// Up to 4 rows on AVX2, a row's lanes in two registers (16 lanes, lane i % 16 takes weight i of every block):
-// a block is decoded once for the 4 rows (three instructions per 8 weights), then each row takes one fused
-// multiply-add per 8 weights. The generic loop kept its lanes in memory (a store and a reload around every
-// multiply-add: 5.2 ms for the embedded model's head at one row), and a layout of 32 lanes a row left room for
-// only 2 rows a tile (6.2 ms at 4 rows). w = s * q exact, one fused multiply-add a lane and block, a fixed lane
-// sum: every tile gives a row the same bits.
-inline float lane_sum16(const float* lanes) {
-  float s[8];
-  for (int i = 0; i < 8; ++i) s[i] = lanes[i] + lanes[i + 8];
-  for (int i = 0; i < 4; ++i) s[i] = s[i] + s[i + 4];
-  return (s[0] + s[2]) + (s[1] + s[3]);
-}
 
+// T rows (from row r0 of the `rows` quantised) times one group of 8 columns: w, s and sums at the group's start
 template <int T>
-inline void dot_rows_avx2(const int8_t* __restrict qrow, const float* __restrict srow, const float* __restrict x,
-                          int64_t k, int64_t groups, float* __restrict out, int64_t out_stride) {
-  static_assert(T >= 1 && T <= 4, "up to four rows: two accumulators a row");
-  __m256 acc[T][2];
-  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m256 s = _mm256_set1_ps(srow[g]);
-    const int8_t* qb = qrow + g * kBlock;
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * j));
-      const __m256 w = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
-#pragma GCC unroll 4
-      for (int t = 0; t < T; ++t)
-        acc[t][j % 2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * k + g * kBlock + 8 * j), acc[t][j % 2]);
+inline void group_rows(const int8_t* __restrict w, const float* __restrict s, const int32_t* __restrict wsum,
+                       const Quantised& xs, int64_t r0, int64_t rows, int64_t blocks, float* __restrict out,
+                       int64_t out_stride, int64_t columns) {
+#if !CSD_Q8_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* wb = w + b * kGroupBytes;
+    const int8_t* xb = xs.xq + (b * rows + r0) * kBlock;
+#if CSD_Q8_VNNI
+    // C independent chains a row: a dot-product instruction waits ~5 cycles for the one before it on the same
+    // register, so one chain a row left a 1-row call slower than AVX2's (integer sums: any order is exact)
+    constexpr int C = T >= 8 ? 1 : (T >= 4 ? 2 : (T == 3 ? 3 : 8 / T));
+    __m256i chains[T][C];
+    // sum (xq + 128) q = sum xq q + 128 sum q: the first chain starts from -128 sum q
+    const __m256i start = _mm256_slli_epi32(
+        _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wsum + b * kColumns))),
+        7);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      chains[t][0] = start;
+#pragma GCC unroll 8
+      for (int c = 1; c < C; ++c) chains[t][c] = _mm256_setzero_si256();
     }
+#else
+    __m256i sums[T];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) sums[t] = _mm256_setzero_si256();
+#endif
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i));
+#if !CSD_Q8_VNNI
+      const __m256i magnitude = _mm256_sign_epi8(v, v);  // |q| (q is never -128)
+#endif
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) {
+        int32_t x4;  // the row's activation bytes 4i..4i + 3
+        std::memcpy(&x4, xb + t * kBlock + 4 * i, 4);
+#if CSD_Q8_VNNI
+        chains[t][i % C] = CSD_DOT_BYTES(chains[t][i % C], _mm256_set1_epi32(x4), v);
+#else
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(x4), v));
+        sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs, ones));
+#endif
+      }
+    }
+#if CSD_Q8_VNNI
+    __m256i sums[T];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      sums[t] = chains[t][0];
+#pragma GCC unroll 8
+      for (int c = 1; c < C; ++c) sums[t] = _mm256_add_epi32(sums[t], chains[t][c]);
+    }
+#endif
+    const __m256 sv = _mm256_loadu_ps(s + b * kColumns);
+    const float* a = xs.scale + b * rows + r0;
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_mul_ps(sv, _mm256_set1_ps(a[t])), acc[t]);
   }
   for (int t = 0; t < T; ++t) {
-    alignas(32) float lanes[16];
-    _mm256_store_ps(lanes, acc[t][0]);
-    _mm256_store_ps(lanes + 8, acc[t][1]);
-    out[t * out_stride] = lane_sum16(lanes);
+    alignas(32) float y[kColumns];
+    _mm256_store_ps(y, acc[t]);
+    for (int64_t j = 0; j < columns; ++j) out[t * out_stride + j] = y[j];
   }
 }
+
+#else  // portable: the same arithmetic, one column at a time
+
+template <int T>
+inline void group_rows(const int8_t* __restrict w, const float* __restrict s, const int32_t* __restrict wsum,
+                       const Quantised& xs, int64_t r0, int64_t rows, int64_t blocks, float* __restrict out,
+                       int64_t out_stride, int64_t columns) {
+  (void)wsum;
+  for (int t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < columns; ++j) {
+      float y = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int8_t* wb = w + b * kGroupBytes;
+        const int8_t* x = xs.xq + (b * rows + r0 + t) * kBlock;
+        int32_t dot = 0;
+        for (int i = 0; i < kBlock; ++i) dot += wb[32 * (i / 4) + 4 * j + i % 4] * x[i];
+        y = std::fma(static_cast<float>(dot), s[b * kColumns + j] * xs.scale[b * rows + r0 + t], y);
+      }
+      out[t * out_stride + j] = y;
+    }
+  }
+}
+
 #endif
 
-torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [N, K]");
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kInt8 && q.is_contiguous(), "q: contiguous int8 [V, K]");
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == torch::kFloat32 && scales.is_contiguous(),
-              "scales: contiguous fp32 [V, K / 32]");
-  const int64_t n_rows = x.size(0), k = x.size(1), v_out = q.size(0), groups = k / kBlock;
-  TORCH_CHECK(q.size(1) == k && k % kBlock == 0 && scales.size(0) == v_out && scales.size(1) == groups,
-              "shapes do not match");
-  auto out = torch::empty({n_rows, v_out}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                        const torch::Tensor& sums, int64_t n_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32 [R, K]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w: contiguous int8 [N', K]");
+  const int64_t rows = x.size(0), k = x.size(1), padded = w.size(0), blocks = k / kBlock;
+  TORCH_CHECK(w.size(1) == k && k % kBlock == 0, "K must be a multiple of 32 and match the weight");
+  TORCH_CHECK(padded % kColumns == 0 && n_out > padded - kColumns && n_out <= padded,
+              "w's rows: the N outputs padded to a multiple of 8");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == padded * blocks,
+              "scales: contiguous fp32 [N', K / 32]");
+  TORCH_CHECK(sums.scalar_type() == torch::kInt32 && sums.is_contiguous() && sums.numel() == padded * blocks,
+              "sums: contiguous int32 [N', K / 32]");
+  auto out = torch::empty({rows, n_out}, x.options());
+  if (rows == 0) return out;
+  const Quantised xs = quantise(x.data_ptr<float>(), rows, k);
+  const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
+  const int32_t* up = sums.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
-
-  at::parallel_for(0, v_out, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t v = begin; v < end; ++v) {
-      const int8_t* qrow = qp + v * k;
-      const float* srow = sp + v * groups;
-      int64_t n = 0;
-#if CSD_Q8_AVX2
-      for (; n + 4 <= n_rows; n += 4) dot_rows_avx2<4>(qrow, srow, xp + n * k, k, groups, op + n * v_out + v, v_out);
-      for (; n + 2 <= n_rows; n += 2) dot_rows_avx2<2>(qrow, srow, xp + n * k, k, groups, op + n * v_out + v, v_out);
-      for (; n < n_rows; ++n) dot_rows_avx2<1>(qrow, srow, xp + n * k, k, groups, op + n * v_out + v, v_out);
-#else
-      for (; n + 8 <= n_rows; n += 8) dot_rows<8>(qrow, srow, xp + n * k, k, groups, op + n * v_out + v, v_out);
-      for (; n + 4 <= n_rows; n += 4) dot_rows<4>(qrow, srow, xp + n * k, k, groups, op + n * v_out + v, v_out);
-      for (; n + 2 <= n_rows; n += 2) dot_rows<2>(qrow, srow, xp + n * k, k, groups, op + n * v_out + v, v_out);
-      for (; n < n_rows; ++n) dot_rows<1>(qrow, srow, xp + n * k, k, groups, op + n * v_out + v, v_out);
-#endif
+  // column groups split across threads, every column computed whole by one thread: a row's bits do not depend
+  // on the thread count either
+  at::parallel_for(0, padded / kColumns, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int8_t* wg = wp + g * blocks * kGroupBytes;
+      const float* sg = sp + g * blocks * kColumns;
+      const int32_t* ug = up + g * blocks * kColumns;
+      const int64_t columns = std::min<int64_t>(kColumns, n_out - g * kColumns);
+      int64_t r = 0;
+      auto tile = [&](auto size) {
+        constexpr int T = decltype(size)::value;
+        group_rows<T>(wg, sg, ug, xs, r, rows, blocks, op + r * n_out + g * kColumns, n_out, columns);
+        r += T;
+      };
+      // the largest tiles first, then one tile for the rest (each tile reads the group's weights once)
+      while (rows - r >= kMaxTile) tile(std::integral_constant<int, kMaxTile>{});
+      if constexpr (kMaxTile > 4) {
+        if (rows - r >= 4) tile(std::integral_constant<int, 4>{});
+      }
+      if (rows - r == 3) tile(std::integral_constant<int, 3>{});
+      if (rows - r == 2) tile(std::integral_constant<int, 2>{});
+      if (rows - r == 1) tile(std::integral_constant<int, 1>{});
     }
   });
   return out;
 }
 
+std::string isa() {
+#if CSD_Q8_VNNI && defined(__AVX512VL__)
+  return "avx2+avx512vnni";
+#elif CSD_Q8_VNNI
+  return "avx2+avxvnni";
+#elif CSD_Q8_AVX2
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q8_linear", &q8_linear, "x [N, K] fp32 times 8-bit block weights [V, K] (scales [V, K/32]): [N, V] fp32");
+  m.def("q8_linear", &q8_linear,
+        "x [R, K] fp32 times 8-bit block weights packed by q8_head.pack_q8 (w [N', K] int8, scales and weight "
+        "sums [N', K / 32]), N' the N outputs padded to a multiple of 8: [R, N] fp32");
+  m.def("isa", &isa, "the instruction set the kernel was built for");
 }
