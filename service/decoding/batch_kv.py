@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from service.decoding.kv_cache import crop_cache
+from service.decoding.kv_cache import crop_cache, new_cache
 from service.decoding.types import DecodingError
 
 # transformers hands grouped-query attention to torch's SDPA natively (`enable_gqa`) only when no mask is
@@ -53,7 +53,7 @@ class BatchKV:
         self._reset(rows)
 
     def _reset(self, rows: int) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)
         self.slots: list[list[int]] = [[] for _ in range(rows)]  # per row: its live slots, in sequence order
         self.mask = torch.zeros((rows, 0), dtype=torch.bool, device=self.device)
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-from service.decoding.kv_cache import crop_cache
+from service.decoding.kv_cache import crop_cache, new_cache
 
 # Bump when what is measured or how changes: cached tables of another version are measured again.
 MEASUREMENT_VERSION = 3
@@ -193,7 +193,7 @@ class CostMeasurement:
             sizes = token_counts(rows, self.max_tokens)
             prefix = torch.randint(0, vocab, (rows, self.context), generator=generator).to(device)
             inputs = {n: torch.randint(0, vocab, (rows, n), generator=generator).to(device) for n in sizes}
-            cache = DynamicCache(config=model.config)
+            cache = new_cache(model.config)
             for start in range(0, self.context, _PREFILL_CHUNK):
                 with torch.inference_mode():
                     model(input_ids=prefix[:, start : start + _PREFILL_CHUNK], cache=cache, logits_to_keep=1)

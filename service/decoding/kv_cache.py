@@ -1,8 +1,23 @@
-"""KV cache helpers over transformers' `DynamicCache`."""
+"""KV cache helpers over transformers' `DynamicCache`: the rollback after a rejected draft, and layers that
+grow in place.
+
+transformers' `DynamicLayer` appends a forward's keys and values with `torch.cat`: every forward copies every
+layer's whole cache (at 400 tokens of context, 2 x 30 layers x 400 x 3 heads x 64 x 4 bytes = 18 MB read and
+written for the embedded model, about a quarter of what its 4-bit weights cost to read). `GrowingLayer`
+writes them into a buffer with room to spare and hands out a view of the filled part: a forward copies only
+its own tokens. The views are not contiguous (rows and heads are a capacity apart); the project's attention
+kernel reads them as they are (`kernels/int4_linear.cpp`), torch's attention takes strides too.
+"""
 
 from __future__ import annotations
 
-from transformers import Cache
+import torch
+from transformers import Cache, DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+# room a buffer is given past what it must hold: half as much again, at least this many positions (a grown
+# buffer is copied once; geometric growth makes that amortised O(1) a token)
+SPARE_POSITIONS = 256
 
 
 def crop_cache(cache: Cache, length: int) -> None:
@@ -13,3 +28,72 @@ def crop_cache(cache: Cache, length: int) -> None:
     remove = cache.get_seq_length() - length
     if remove > 0:
         cache.crop(-remove)
+
+
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` whose `update` writes into preallocated buffers [B, heads, capacity, dim]; `keys` and
+    `values` are views of their first L positions. Whatever replaces `keys` with a tensor of its own (a batch
+    select, padding, a gather: `BatchKV`'s layout changes) is taken in by copying it into a new buffer at the
+    next update; a crop keeps a prefix view, so the buffer is reused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        needed = held + key_states.shape[-2]
+        if not (
+            self._backs(self.keys, self._key_buffer, key_states)
+            and self._backs(self.values, self._value_buffer, value_states)
+        ) or (self._key_buffer.shape[-2] < needed):
+            capacity = needed + max(SPARE_POSITIONS, needed // 2)
+            self._key_buffer = self._grown(self.keys, key_states, held, capacity)
+            self._value_buffer = self._grown(self.values, value_states, held, capacity)
+        self._key_buffer[:, :, held:needed] = key_states
+        self._value_buffer[:, :, held:needed] = value_states
+        self.keys = self._key_buffer[:, :, :needed]
+        self.values = self._value_buffer[:, :, :needed]
+        return self.keys, self.values
+
+    @staticmethod
+    def _backs(view: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor) -> bool:
+        """Whether `view` is the first positions of `buffer` (and `new` fits beside it)."""
+        return (
+            buffer is not None
+            and view.dim() == 4
+            and view.data_ptr() == buffer.data_ptr()
+            and view.stride() == buffer.stride()
+            and view.shape[:2] == buffer.shape[:2] == new.shape[:2]
+            and view.shape[3] == buffer.shape[3] == new.shape[3]
+            and view.dtype == buffer.dtype == new.dtype
+        )
+
+    @staticmethod
+    def _grown(held: torch.Tensor, new: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+        buffer = new.new_empty((new.shape[0], new.shape[1], capacity, new.shape[3]))
+        if length:
+            buffer[:, :, :length] = held
+        return buffer
+
+
+def use_growing_layers(cache: Cache) -> Cache:
+    """Replace a cache's plain full-attention layers (`DynamicLayer`, not yet filled) with `GrowingLayer`s;
+    sliding-window and other layer kinds stay as transformers made them. Returns the cache."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        for i, layer in enumerate(layers):
+            if type(layer) is DynamicLayer and not layer.is_initialized:
+                layers[i] = GrowingLayer()
+    return cache
+
+
+def new_cache(config) -> DynamicCache:
+    """An empty cache for a model of this config, its full-attention layers `GrowingLayer`s: what the engine
+    decodes with and what its forward costs are measured on."""
+    return use_growing_layers(DynamicCache(config=config))

@@ -132,7 +132,9 @@ def test_the_vnni_build_gives_the_avx2_builds_bits(kernels, monkeypatch):
     x = torch.randn(11, 1536, generator=torch.Generator().manual_seed(7)) * 3
     for count in (1, 3, 4, 8, 11):
         rows = x[:count].contiguous()
-        assert torch.equal(kernels.int4_linear(rows, packed, scale, low), capped.int4_linear(rows, packed, scale, low))
+        assert torch.equal(
+            kernels.int4_linear(rows, packed, scale, low), capped.int4_linear(rows, packed, scale, low)
+        )
 
 
 def test_the_4bit_kernel_refuses_what_it_cannot_read(kernels):
@@ -173,6 +175,17 @@ def test_the_attention_is_softmax_attention_over_the_keys_each_query_sees(kernel
     # no mask: causal, the last query sees every key
     got = kernels.attention(q[:1], k[:1], v[:1], None, 0.125)
     assert float((got - want[:1]).abs().max()) < 1e-5
+
+
+def test_the_attention_reads_a_growing_caches_views_in_place(kernels):
+    """Keys and values as `kv_cache.GrowingLayer` holds them (the first L positions of a longer buffer: rows
+    and heads a capacity apart) give the bits the same keys give contiguous."""
+    q, k, v = gqa_inputs(2, 3, 40, seed=8)
+    buffers = [torch.randn(2, 3, 64, 64) for _ in range(2)]
+    buffers[0][:, :, :40], buffers[1][:, :, :40] = k, v
+    views = [b[:, :, :40] for b in buffers]
+    assert not views[0].is_contiguous()
+    assert torch.equal(kernels.attention(q, *views, None, 0.125), kernels.attention(q, k, v, None, 0.125))
 
 
 def test_a_querys_attention_has_the_bits_it_has_alone(kernels):

@@ -10,13 +10,16 @@ magnitude.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 from service.decoding import Engine, ModelDrafter, NgramDrafter, SamplingParams, SpeculativeConfig, run_alone
 from service.decoding.drafters import DraftRow, ModelDraftRows
-from service.decoding.kv_cache import crop_cache
+from service.decoding.fused_layers import executor_name
+from service.decoding.kv_cache import GrowingLayer, crop_cache, new_cache
 from service.decoding.verification import sampling_probs
 from tests.conftest import make_word_model
 
@@ -66,6 +69,45 @@ def test_target_cache_crop_on_the_embedded_model(embedded):
     ids = embedded.tokenizer("The colour of the theatre was grey, and the centre")["input_ids"]
     prompt, draft = ids[:-4], ids[-4:]
     check_target_rollback(embedded, prompt, draft, kept=2, after=draft[2:3])
+
+
+def test_growing_layers_give_the_plain_caches_logits_without_copying_the_cache(embedded, words):
+    """`new_cache`'s layers write each forward's keys and values into a buffer with room to spare and hand
+    out views: the same logits as transformers' concatenating cache (bit for bit where the project's
+    attention kernel reads the views in place), through rounds, crops and a deep copy, and the cached
+    positions are not copied by a forward or a crop."""
+    ids = embedded.tokenizer("The colour of the theatre was grey, and the centre of the town was quiet")[
+        "input_ids"
+    ]
+    # bit for bit where the fused layers' attention reads the views; torch's attention may take another path
+    # for a strided input than for a contiguous one (rounding only)
+    for model, exact in ((embedded, executor_name(embedded.model) == "fused"), (words, False)):
+        tokens = ids if exact else [2, 3, 4, 5, 6, 7, 2, 3, 8, 9, 10, 11, 2, 4, 6]
+        config = model.model.config
+        plain, growing = DynamicCache(config=config), new_cache(config)
+        assert all(isinstance(layer, GrowingLayer) for layer in growing.layers)
+
+        def same(a: torch.Tensor, b: torch.Tensor, exact: bool = exact) -> None:
+            if exact:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+        prompt, draft = tokens[:8], tokens[8:12]
+        same(cached_logits(model, growing, prompt), cached_logits(model, plain, prompt))
+        buffer = growing.layers[0].keys.data_ptr()
+        same(cached_logits(model, growing, draft), cached_logits(model, plain, draft))
+        for cache in (plain, growing):
+            crop_cache(cache, len(prompt) + 1)
+        assert growing.get_seq_length() == len(prompt) + 1
+        same(cached_logits(model, growing, tokens[12:13]), cached_logits(model, plain, tokens[12:13]))
+        # every forward and the crop wrote into the same buffer: no copy of the cached positions
+        assert growing.layers[0].keys.data_ptr() == buffer
+        assert not growing.layers[0].keys.is_contiguous()  # a view with room beyond it
+        # a deep copy (what BatchKV.copy does for n > 1 choices) has buffers of its own
+        twin, plain_twin = copy.deepcopy(growing), copy.deepcopy(plain)
+        same(cached_logits(model, twin, tokens[14:16]), cached_logits(model, plain_twin, tokens[14:16]))
+        same(cached_logits(model, growing, tokens[13:15]), cached_logits(model, plain, tokens[13:15]))
 
 
 def test_crop_beyond_the_cache_is_a_no_op(words):

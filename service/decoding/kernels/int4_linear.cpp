@@ -427,15 +427,15 @@ inline float hsum(__m256 v) {
 // in memory: ~100 cycles per query and key, a tenth of a width-2 forward of the embedded model.
 template <int D>
 void attend_avx2(const float* __restrict qv, const float* __restrict kb, const float* __restrict vb,
-                 const int64_t* __restrict index, int64_t count, float scale, float* __restrict scores,
-                 float* __restrict o) {
+                 int64_t k_stride, int64_t v_stride, const int64_t* __restrict index, int64_t count, float scale,
+                 float* __restrict scores, float* __restrict o) {
   constexpr int V = D / 8;
   __m256 q[V];
 #pragma GCC unroll 16
   for (int j = 0; j < V; ++j) q[j] = _mm256_loadu_ps(qv + 8 * j);
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t c = 0; c < count; ++c) {
-    const float* kv = kb + index[c] * D;
+    const float* kv = kb + index[c] * k_stride;
     __m256 a0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(kv));
     __m256 a1 = _mm256_mul_ps(q[1], _mm256_loadu_ps(kv + 8));
 #pragma GCC unroll 8
@@ -454,7 +454,7 @@ void attend_avx2(const float* __restrict qv, const float* __restrict kb, const f
   for (int j = 0; j < V; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < count; ++c) {
     const __m256 p = _mm256_set1_ps(scores[c]);
-    const float* vv = vb + index[c] * D;
+    const float* vv = vb + index[c] * v_stride;
 #pragma GCC unroll 16
     for (int j = 0; j < V; ++j) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vv + 8 * j), acc[j]);
   }
@@ -468,13 +468,17 @@ void attend_avx2(const float* __restrict qv, const float* __restrict kb, const f
 // (not the batch's other rows, its padding, the holes rejected drafts leave, nor how many queries run), which
 // is the batch invariance `batch_invariant.row_aligned_attention` gets by aligning keys, here by construction.
 // q [B, Hq, T, D]; k, v [B, Hkv, L, D]; mask [B, 1, T, L] (additive fp32: 0 seen, the dtype's minimum not,
-// or bool) or none: causal, query t sees keys up to L - T + t. Returns [B, T, Hq * D].
+// or bool) or none: causal, query t sees keys up to L - T + t. Returns [B, T, Hq * D]. k and v may be views
+// with any strides but a contiguous last dimension (kv_cache.GrowingLayer's views of its buffers: reading
+// them in place spares the copy a contiguous cache would cost each forward).
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const std::optional<torch::Tensor>& mask, double scaling) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
                   v.scalar_type() == torch::kFloat32 && q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "q, k, v: fp32 [B, heads, length, D]");
-  const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const auto qc = q.contiguous();
+  const auto kc = k.stride(3) == 1 ? k : k.contiguous();
+  const auto vc = v.stride(3) == 1 ? v : v.contiguous();
   const int64_t batch = q.size(0), heads = q.size(1), length = q.size(2), dim = q.size(3);
   const int64_t kv_heads = k.size(1), keys = k.size(2);
   TORCH_CHECK(k.size(0) == batch && v.sizes() == k.sizes() && k.size(3) == dim && heads % kv_heads == 0 &&
@@ -493,6 +497,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const float* qp = qc.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
+  const int64_t kb_stride = kc.stride(0), kh_stride = kc.stride(1), k_stride = kc.stride(2);
+  const int64_t vb_stride = vc.stride(0), vh_stride = vc.stride(1), v_stride = vc.stride(2);
   float* op = out.data_ptr<float>();
   const int64_t group = heads / kv_heads;
   const float scale = static_cast<float>(scaling);
@@ -502,8 +508,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     std::vector<float> acc(static_cast<size_t>(dim));
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads, g = h / group;
-      const float* kb = kp + (b * kv_heads + g) * keys * dim;
-      const float* vb = vp + (b * kv_heads + g) * keys * dim;
+      const float* kb = kp + b * kb_stride + g * kh_stride;
+      const float* vb = vp + b * vb_stride + g * vh_stride;
       for (int64_t t = 0; t < length; ++t) {
         const float* qv = qp + ((b * heads + h) * length + t) * dim;
         int64_t count = 0;
@@ -517,17 +523,17 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
         float* o = op + (b * length + t) * heads * dim + h * dim;
 #if CSD_INT4_AVX2
         if (dim == 64) {
-          attend_avx2<64>(qv, kb, vb, index.data(), count, scale, scores.data(), o);
+          attend_avx2<64>(qv, kb, vb, k_stride, v_stride, index.data(), count, scale, scores.data(), o);
           continue;
         }
         if (dim == 128) {
-          attend_avx2<128>(qv, kb, vb, index.data(), count, scale, scores.data(), o);
+          attend_avx2<128>(qv, kb, vb, k_stride, v_stride, index.data(), count, scale, scores.data(), o);
           continue;
         }
 #endif
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t c = 0; c < count; ++c) {
-          const float* kv = kb + index[c] * dim;
+          const float* kv = kb + index[c] * k_stride;
           scores[c] = dot16(qv, kv, dim) * scale;
           top = std::max(top, scores[c]);
         }
@@ -536,7 +542,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
         for (int64_t c = 0; c < count; ++c) {
           const float p = exp_approx(scores[c] - top);
           total += p;
-          axpy(p, vb + index[c] * dim, acc.data(), dim);
+          axpy(p, vb + index[c] * v_stride, acc.data(), dim);
         }
         const float inv = count ? 1.f / total : 0.f;
         for (int64_t i = 0; i < dim; ++i) o[i] = acc[i] * inv;
