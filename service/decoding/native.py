@@ -46,7 +46,7 @@ def sources_digest() -> str:
     """A digest of every kernel's source: forward costs measured on one version of the kernels are not reused
     by another (`cost_cache.cost_key`)."""
     digest = hashlib.sha256()
-    for source in sorted(KERNELS.glob("*.cpp")):
+    for source in sorted([*KERNELS.glob("*.cpp"), *KERNELS.glob("*.h")]):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -62,6 +62,9 @@ def build(name: str) -> ModuleType | None:
             b"\0".join(
                 [
                     source.read_bytes(),
+                    *(
+                        header.read_bytes() for header in sorted(KERNELS.glob("*.h"))
+                    ),  # what the sources include
                     str(source).encode(),  # ninja rebuilds when the build's source path changes
                     " ".join(flags).encode(),
                     torch.__version__.encode(),

@@ -30,7 +30,10 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
+
+#include "blocks.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define CSD_INT4_AVX2 1
@@ -84,24 +87,16 @@ Quantised quantise(const In* x, int64_t rows, int64_t k) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       const In* xb = x + r * k + b * kBlock;
-      float v[kBlock];
-      float amax = 0.f, sum = 0.f;
-      for (int i = 0; i < kBlock; ++i) {
-        v[i] = static_cast<float>(xb[i]);
-        amax = std::max(amax, std::fabs(v[i]));
-        sum += v[i];
+      float widened[kBlock];
+      const float* v = reinterpret_cast<const float*>(xb);
+      if constexpr (!std::is_same_v<In, float>) {
+        for (int i = 0; i < kBlock; ++i) widened[i] = static_cast<float>(xb[i]);
+        v = widened;
       }
-      const float a = amax / 127.f;
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* qb = xq + (b * rows + r) * kBlock;
-      int32_t qsum = 0;
-      for (int i = 0; i < kBlock; ++i) {
-        qb[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-        qsum += qb[i];
-      }
-      scale[b * rows + r] = a;
-      sums[b * rows + r] = sum;
-      corrections[b * rows + r] = 8.f * (sum - a * static_cast<float>(qsum));
+      const csd::QuantisedBlock q = csd::quantise_block(v, xq + (b * rows + r) * kBlock, 0);
+      scale[b * rows + r] = q.scale;
+      sums[b * rows + r] = q.sum;
+      corrections[b * rows + r] = 8.f * (q.sum - q.scale * static_cast<float>(q.qsum));
     }
   }
   return Quantised{xq, scale, sums, corrections};

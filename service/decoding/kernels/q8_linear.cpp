@@ -30,6 +30,8 @@
 #include <cstring>
 #include <vector>
 
+#include "blocks.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define CSD_Q8_AVX2 1
 #include <immintrin.h>
@@ -69,25 +71,15 @@ Quantised quantise(const float* x, int64_t rows, int64_t k) {
   const int64_t blocks = k / kBlock;
   xq_buffer.resize(static_cast<size_t>(rows * k));
   scale_buffer.resize(static_cast<size_t>(rows * blocks));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = x + r * k + b * kBlock;
-      float amax = 0.f;
-      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* qb = xq_buffer.data() + (b * rows + r) * kBlock;
-      for (int i = 0; i < kBlock; ++i) {
-        const int q = static_cast<int>(std::nearbyint(xb[i] * inv));
 #if CSD_Q8_VNNI
-        const uint8_t offset = static_cast<uint8_t>(q + 128);
-        std::memcpy(qb + i, &offset, 1);
+  constexpr int kOffset = 128;
 #else
-        qb[i] = static_cast<int8_t>(q);
+  constexpr int kOffset = 0;
 #endif
-      }
-      scale_buffer[b * rows + r] = amax / 127.f;
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b)
+      scale_buffer[b * rows + r] =
+          csd::quantise_block(x + r * k + b * kBlock, xq_buffer.data() + (b * rows + r) * kBlock, kOffset).scale;
   return Quantised{xq_buffer.data(), scale_buffer.data()};
 }
 
