@@ -37,9 +37,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     four_bit = int4_supported() and gguf_is_4bit(embedded_gguf_path())
     weights = os.environ.get("CSD_WEIGHTS", "auto")
     weights = ("int4" if four_bit else "dense") if weights == "auto" else weights
-    reporter.write_line(
-        f"cpu flags: {simd_summary()}; --dtype auto serves {dtype}; the embedded model's weights: {weights}"
-    )
+    reporter.write_line(f"cpu flags: {simd_summary()}; --dtype auto serves dense weights in {dtype}")
     # the project's C++ kernels are compiled on first use (25-50 s each, once a machine): here, before any
     # test starts a server whose readiness wait would otherwise pay for them
     import time
@@ -57,6 +55,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     int4 = native.build("int4_linear")
     state = f"ready ({int4.isa()})" if int4 is not None else "unavailable (torch's int4 kernel, eager layers)"
     reporter.write_line(f"4-bit layer kernel: {state} in {time.monotonic() - started:.1f} s")
+    from service.decoding.models import auto_cpu_dtype
+
+    body = str(auto_cpu_dtype(weights)).removeprefix("torch.")
+    reporter.write_line(f"the embedded model: {weights} weights in a {body} body")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark

@@ -342,10 +342,7 @@ def load_model(
     weights = _choose_weights(weights, dtype, device, path if gguf_file is not None else None)
     torch_dtype = DTYPES[dtype]
     if torch_dtype == "auto" and device == "cpu":
-        # int4 runs its fused fp32 layers where the project's kernel builds (`fused_layers`: 2-2.5x the
-        # one-token speed of either eager body), else the body the CPU multiplies fastest
-        fused = weights == "int4" and int4_kernel() is not None
-        torch_dtype = torch.float32 if fused else default_cpu_dtype()
+        torch_dtype = auto_cpu_dtype(weights)
     # int4: quantised from the fp32 weights (exact for Q4_1), then the body cast to its dtype
     body_dtype, torch_dtype = torch_dtype, (torch.float32 if weights == "int4" else torch_dtype)
     kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
@@ -394,6 +391,15 @@ def load_model(
 
 
 WEIGHTS = ("auto", "dense", "int4")
+
+
+def auto_cpu_dtype(weights: str) -> torch.dtype:
+    """The body `--dtype auto` gives a CPU model whose weights are `weights` ("dense" or "int4"): int4 runs
+    its fused fp32 layers where the project's kernel builds (`fused_layers`: 2-2.5x the one-token speed of
+    either eager body), anything else the body the CPU multiplies fastest (`default_cpu_dtype`: bf16 where
+    the CPU has it natively)."""
+    fused = weights == "int4" and int4_kernel() is not None
+    return torch.float32 if fused else default_cpu_dtype()
 
 
 def _choose_weights(weights: str, dtype: str, device: str, gguf_path: Path | None) -> str:

@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from service.decoding.cpu_kernels import has_native_bf16
+from service.decoding.int4_weights import int4_supported
+from service.decoding.models import auto_cpu_dtype
 
 REPO = Path(__file__).resolve().parents[2]
 ROW_FIELDS = {
@@ -29,8 +31,13 @@ HEAD_METHODS = {
     "sd-head", "csd-head", "csd-head-unguarded", "sd-combined", "csd-combined", "sd-combined-adaptive",
     "csd-combined-adaptive",
 }  # fmt: skip
-# the embedded target loads in bf16 where this CPU multiplies bf16 natively: float32 vanilla runs beside it
-FP32_METHODS = {"vanilla-fp32"} if has_native_bf16() else set()
+
+
+def fp32_methods() -> set[str]:
+    """`vanilla-fp32` where the bench serves the embedded target in another body than fp32: bf16 on a CPU
+    that multiplies it natively, unless its 4-bit weights run the fused fp32 layers (`auto_cpu_dtype`)."""
+    weights = "int4" if int4_supported() else "dense"
+    return {"vanilla-fp32"} if auto_cpu_dtype(weights) != torch.float32 else set()
 
 
 def run_bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -45,6 +52,7 @@ def run_bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def test_bench_end_to_end(tmp_path, embedded_head):
+    fp32 = fp32_methods()
     # One torch thread: this checks the machinery, not speed, and one thread never spins against other
     # processes on a shared machine.
     out = tmp_path / "results"
@@ -65,7 +73,7 @@ def test_bench_end_to_end(tmp_path, embedded_head):
     report = json.loads((out / "report.json").read_text())
     assert set(report["workloads"]) == {"grounded", "qa", "humaneval"}
     for workload in report["workloads"].values():
-        assert set(workload["methods"]) == METHODS | HEAD_METHODS | FP32_METHODS
+        assert set(workload["methods"]) == METHODS | HEAD_METHODS | fp32
         for method, row in workload["methods"].items():
             assert set(row) >= ROW_FIELDS, method
             assert row["tokens"] > 0 and row["tokens_per_second"] > 0
@@ -124,7 +132,7 @@ def test_bench_end_to_end(tmp_path, embedded_head):
             assert (goal["status"] == "not measured") is idle, goal
     # lossless columns change no fact of vanilla's output; every column is counted
     facts_out = report["output_fact_changes"]
-    assert set(facts_out) == (METHODS | HEAD_METHODS | FP32_METHODS) - {"vanilla"}
+    assert set(facts_out) == (METHODS | HEAD_METHODS | fp32) - {"vanilla"}
     assert facts_out["sd"]["changed"] == 0 and facts_out["sd"]["vanilla_facts"] >= 0
     assert all(
         r["turn_rescues"] == 0 for label, r in report["rescued"].items() if label != "csd-head-unguarded"
@@ -145,8 +153,8 @@ def test_bench_end_to_end(tmp_path, embedded_head):
         assert section in markdown, section
     assert report["meta"]["machine"]["torch_threads"] == 1  # --threads 1
     lines = (out / "outputs.jsonl").read_text().splitlines()
-    assert len(lines) == 3 * len(METHODS | HEAD_METHODS | FP32_METHODS)
-    if FP32_METHODS:  # every column's speed is also quoted against float32 vanilla
+    assert len(lines) == 3 * len(METHODS | HEAD_METHODS | fp32)
+    if fp32:  # every column's speed is also quoted against float32 vanilla
         assert report["meta"]["target_dtype"] == "bfloat16"
         assert "## Against float32 vanilla" in markdown and "(target, bfloat16)" in markdown
         for row in grounded.values():
