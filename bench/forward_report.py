@@ -66,7 +66,7 @@ def forward_markdown(result: dict | None) -> list[str]:
         f"GB/s, copy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s ({bw['array_mib']} MiB arrays, best of "
         f"{bw['repeats']}, before and after the forwards); {result['context']} tokens of context a row (several rows: ragged around it); "
         f"median of {result['repeats']} forwards a shape, split by the torch profiler over "
-        f"{result['profile_repeats']}; `--dtype auto` serves {result['served_dtype']} here "
+        f"{result['profile_repeats']}; `--dtype auto` serves dense weights in {result['served_dtype']} here "
         f"(native bf16: {'yes' if result['native_bf16'] else 'no'}); measured in {result['wall_seconds']:.0f} s.",
         "",
         "ms: median wall time of one `BatchKV.forward` (logits for every fed position); matmul / attention / "

@@ -1,7 +1,8 @@
 """A KV cache shared by the sequences of a running batch: padding plus masks over one transformers cache.
 
-Layout (the choice issue 6 asks us to explain): one `DynamicCache` whose tensors are [B, heads, L, dim], a
-boolean mask [B, L] of which slots hold a live token of row b, and per row the ordered list of its slots.
+Layout (the choice issue 6 asks us to explain): one `DynamicCache` whose tensors are [B, heads, L, dim] (its
+layers `kv_cache.GrowingLayer`s: views of buffers that grow in place), a boolean mask [B, L] of which slots
+hold a live token of row b, and per row the ordered list of its slots.
 - A row's token at slot s has RoPE position = its index among the row's live slots, passed as
   `position_ids`, so left padding, holes and other rows' lengths never shift a sequence's positions.
 - transformers builds the causal mask from slot order (query slot >= key slot) and ANDs our 2D mask into
