@@ -52,7 +52,7 @@ def int4_weight(n: int, k: int, seed: int):
     q, scales_and_zeros = quantize_int4(weight)
     scale = scales_and_zeros[..., 0].t().contiguous()
     low = (scales_and_zeros[..., 1] - 8 * scales_and_zeros[..., 0]).t().contiguous()
-    return (pack_int4(q), interleave_blocks(scale), interleave_blocks(low)), dequantize_int4(
+    return (pack_int4(q), interleave_blocks(scale).half(), interleave_blocks(low).half()), dequantize_int4(
         q, scales_and_zeros
     )
 

@@ -23,6 +23,7 @@ from service.decoding.int4_weights import (
     GROUP,
     Int4Linear,
     Int4Projection,
+    _groups,
     dequantize_int4,
     gguf_is_4bit,
     int4_kernel,
@@ -60,6 +61,9 @@ def test_requantising_the_embedded_q4_1_weights_finds_the_files_blocks_exactly(f
         q, scales_and_zeros = quantize_int4(linear.weight)
         assert int(q.min()) == 0 and int(q.max()) == 15
         assert torch.equal(dequantize_int4(q, scales_and_zeros), linear.weight.detach())
+        # the scales and minimums the kernel holds in float16 are the file's own (Q4_1 stores them so)
+        _, scale, low = _groups(linear.weight)
+        assert torch.equal(scale.half().float(), scale) and torch.equal(low.half().float(), low)
 
 
 def test_weights_that_are_not_4bit_lose_what_4_bits_cannot_hold():
@@ -137,9 +141,10 @@ def test_a_bf16_body_is_batch_invariant_with_fp32_logits():
     assert isinstance(model.get_output_embeddings(), Q8Head if q8_kernel() else FP32LogitsHead)
     assert isinstance(model.get_decoder().norm, FP32Norm)
     layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
-    # the project's kernel keeps fp32 scales and minimums; torch's takes bf16 ones
+    # the project's kernel keeps float16 scales and minimums (the file's own, untouched by the cast to bf16);
+    # torch's takes bf16 ones
     if layer._kernel is not None:
-        assert layer.scale.dtype == layer.low.dtype == torch.float32
+        assert layer.scale.dtype == layer.low.dtype == torch.float16
     else:
         assert layer.scales_and_zeros.dtype == torch.bfloat16
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)

@@ -23,6 +23,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -35,7 +36,7 @@
 
 #include "blocks.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define CSD_INT4_AVX2 1
 #include <immintrin.h>
 // VNNI's one instruction for a 4-byte unsigned x signed dot product added to a 32-bit lane (AVX512-VNNI on
@@ -54,6 +55,9 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
+// a block's scale d and minimum m: float16, as GGUF's Q4_1 stores them (exact for its blocks), a third of the
+// bytes a one-row forward reads besides the 4-bit weights themselves were fp32 scales and minimums
+using Scale = c10::Half;
 constexpr int64_t kColumns = 8;     // columns interleaved in the packed layout (one per 32-bit lane)
 constexpr int64_t kGroupBytes = 128;  // one block of 8 columns
 // rows that share one read of a block, two registers a row: 4 in AVX2's 16 vector registers, 8 where AVX-512VL
@@ -106,7 +110,7 @@ Quantised quantise(const In* x, int64_t rows, int64_t k) {
 
 // T rows (from row r0 of the `rows` quantised) times one group of 8 columns: w, d and m at the group's start
 template <int T, typename Out>
-inline void group_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
+inline void group_rows(const uint8_t* __restrict w, const Scale* __restrict d, const Scale* __restrict m,
                        const Quantised& xs, int64_t r0, int64_t rows, int64_t blocks, Out* __restrict out,
                        int64_t out_stride) {
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -163,8 +167,8 @@ inline void group_rows(const uint8_t* __restrict w, const float* __restrict d, c
       for (int c = 1; c < C; ++c) sums[t] = _mm256_add_epi32(sums[t], chains[t][c]);
     }
 #endif
-    const __m256 dv = _mm256_loadu_ps(d + b * kColumns);
-    const __m256 mv = _mm256_loadu_ps(m + b * kColumns);
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * kColumns)));
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b * kColumns)));
     const float* a = xs.scale + b * rows + r0;
     const float* s = xs.sums + b * rows + r0;
     const float* c = xs.corrections + b * rows + r0;
@@ -190,7 +194,7 @@ inline void group_rows(const uint8_t* __restrict w, const float* __restrict d, c
 #else  // portable: the same arithmetic, one column at a time
 
 template <int T, typename Out>
-inline void group_rows(const uint8_t* __restrict w, const float* __restrict d, const float* __restrict m,
+inline void group_rows(const uint8_t* __restrict w, const Scale* __restrict d, const Scale* __restrict m,
                        const Quantised& xs, int64_t r0, int64_t rows, int64_t blocks, Out* __restrict out,
                        int64_t out_stride) {
   for (int t = 0; t < T; ++t) {
@@ -205,9 +209,9 @@ inline void group_rows(const uint8_t* __restrict w, const float* __restrict d, c
           dot += (byte & 0x0F) * x[i] + (byte >> 4) * x[16 + i];
         }
         const int64_t at = b * rows + r0 + t;
-        const float dj = d[b * kColumns + j];
+        const float dj = static_cast<float>(d[b * kColumns + j]);
         y = std::fma(static_cast<float>(dot), dj * xs.scale[at], y);
-        y = std::fma(m[b * kColumns + j], xs.sums[at], y);
+        y = std::fma(static_cast<float>(m[b * kColumns + j]), xs.sums[at], y);
         y = std::fma(dj, xs.corrections[at], y);
       }
       out[t * out_stride + j] = static_cast<Out>(y);
@@ -218,7 +222,7 @@ inline void group_rows(const uint8_t* __restrict w, const float* __restrict d, c
 #endif
 
 template <typename Out>
-void run(const Quantised& xs, const uint8_t* w, const float* d, const float* m, int64_t rows, int64_t k,
+void run(const Quantised& xs, const uint8_t* w, const Scale* d, const Scale* m, int64_t rows, int64_t k,
          int64_t n_out, Out* out) {
   const int64_t blocks = k / kBlock;
   // column groups split across threads, every column computed whole by one thread: a row's bits do not depend
@@ -226,8 +230,8 @@ void run(const Quantised& xs, const uint8_t* w, const float* d, const float* m, 
   at::parallel_for(0, n_out / kColumns, 2, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* wg = w + g * blocks * kGroupBytes;
-      const float* dg = d + g * blocks * kColumns;
-      const float* mg = m + g * blocks * kColumns;
+      const Scale* dg = d + g * blocks * kColumns;
+      const Scale* mg = m + g * blocks * kColumns;
       int64_t r = 0;
       auto tile = [&](auto size) {
         constexpr int T = decltype(size)::value;
@@ -253,17 +257,17 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
                   (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               "x: contiguous fp32 or bf16 [R, K]");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 [N, K / 2]");
-  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && m.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && d.is_contiguous() && m.scalar_type() == torch::kHalf &&
                   m.is_contiguous(),
-              "d, m: contiguous fp32 [N, K / 32]");
+              "d, m: contiguous float16 [N, K / 32]");
   const int64_t rows = x.size(0), k = x.size(1), n_out = w.size(0);
   TORCH_CHECK(k % kBlock == 0 && w.size(1) == k / 2, "K must be a multiple of 32 and match the weight");
   TORCH_CHECK(n_out % kColumns == 0, "N must be a multiple of 8");
   TORCH_CHECK(d.numel() == n_out * (k / kBlock) && m.numel() == n_out * (k / kBlock), "d, m: [N, K / 32]");
   auto out = torch::empty({rows, n_out}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = m.data_ptr<float>();
+  const Scale* dp = d.data_ptr<Scale>();
+  const Scale* mp = m.data_ptr<Scale>();
   if (x.scalar_type() == torch::kFloat32) {
     run(quantise(x.data_ptr<float>(), rows, k), wp, dp, mp, rows, k, n_out, out.data_ptr<float>());
   } else {
@@ -280,18 +284,18 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 // one 4-bit linear layer's buffers, as Int4Linear holds them
 struct Int4Weight {
   const uint8_t* w;
-  const float *d, *m;
+  const Scale *d, *m;
   int64_t n_out;
 };
 
 Int4Weight int4_weight(const torch::Tensor& w, const torch::Tensor& d, const torch::Tensor& m, int64_t k) {
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(1) == k / 2,
               "a 4-bit weight [N, K / 2] for K = ", k);
-  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && m.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && d.is_contiguous() && m.scalar_type() == torch::kHalf &&
                   m.is_contiguous() && d.numel() == w.size(0) * (k / kBlock) && m.numel() == d.numel(),
               "scales and mins [N, K / 32]");
   TORCH_CHECK(w.size(0) % kColumns == 0, "a 4-bit weight's N must be a multiple of 8");
-  return Int4Weight{w.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), w.size(0)};
+  return Int4Weight{w.data_ptr<uint8_t>(), d.data_ptr<Scale>(), m.data_ptr<Scale>(), w.size(0)};
 }
 
 // out [R, N] = x [R, K] (fp32) times the weight
@@ -606,7 +610,7 @@ std::string isa() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear,
-        "x [R, K] (fp32 or bf16) times 4-bit block weights (packed [N, K / 2], scales d and mins m [N, K / 32]): "
+        "x [R, K] (fp32 or bf16) times 4-bit block weights (packed [N, K / 2], float16 scales d and mins m [N, K / 32]): "
         "[R, N] in x's dtype");
   m.def("norm_qkv_rope", &norm_qkv_rope, "a Llama layer's input norm, fused q/k/v projection and RoPE");
   m.def("attention", &attention, "attention of each query over the keys it sees, in order (fp32)");
