@@ -34,12 +34,18 @@ class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose `update` writes into preallocated buffers [B, heads, capacity, dim]; `keys` and
     `values` are views of their first L positions. Whatever replaces `keys` with a tensor of its own (a batch
     select, padding, a gather: `BatchKV`'s layout changes) is taken in by copying it into a new buffer at the
-    next update; a crop keeps a prefix view, so the buffer is reused."""
+    next update; a crop keeps a prefix view, so the buffer is reused. An update is a few tensor calls: it
+    runs 30 times a forward, so ownership is an identity check on the views handed out, not a comparison of
+    pointers and strides."""
 
     def __init__(self) -> None:
         super().__init__()
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
+        self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # (keys, values) as last handed out
+
+    def _owns_views(self) -> bool:
+        return self._views is not None and self.keys is self._views[0] and self.values is self._views[1]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -47,38 +53,30 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
-        needed = held + key_states.shape[-2]
-        if not (
-            self._backs(self.keys, self._key_buffer, key_states)
-            and self._backs(self.values, self._value_buffer, value_states)
-        ) or (self._key_buffer.shape[-2] < needed):
+        count = key_states.shape[-2]
+        needed = held + count
+        if not self._owns_views() or self._key_buffer.shape[-2] < needed:
             capacity = needed + max(SPARE_POSITIONS, needed // 2)
             self._key_buffer = self._grown(self.keys, key_states, held, capacity)
             self._value_buffer = self._grown(self.values, value_states, held, capacity)
-        self._key_buffer[:, :, held:needed] = key_states
-        self._value_buffer[:, :, held:needed] = value_states
-        self.keys = self._key_buffer[:, :, :needed]
-        self.values = self._value_buffer[:, :, :needed]
+        self._key_buffer.narrow(2, held, count).copy_(key_states)
+        self._value_buffer.narrow(2, held, count).copy_(value_states)
+        self.keys = self._key_buffer.narrow(2, 0, needed)
+        self.values = self._value_buffer.narrow(2, 0, needed)
+        self._views = (self.keys, self.values)
         return self.keys, self.values
 
-    @staticmethod
-    def _backs(view: torch.Tensor, buffer: torch.Tensor | None, new: torch.Tensor) -> bool:
-        """Whether `view` is the first positions of `buffer` (and `new` fits beside it)."""
-        return (
-            buffer is not None
-            and view.dim() == 4
-            and view.data_ptr() == buffer.data_ptr()
-            and view.stride() == buffer.stride()
-            and view.shape[:2] == buffer.shape[:2] == new.shape[:2]
-            and view.shape[3] == buffer.shape[3] == new.shape[3]
-            and view.dtype == buffer.dtype == new.dtype
-        )
+    def crop(self, tokens_to_remove: int) -> None:
+        owned = self._owns_views()
+        super().crop(tokens_to_remove)  # a prefix view of the same buffers
+        if owned:
+            self._views = (self.keys, self.values)
 
     @staticmethod
     def _grown(held: torch.Tensor, new: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
         buffer = new.new_empty((new.shape[0], new.shape[1], capacity, new.shape[3]))
         if length:
-            buffer[:, :, :length] = held
+            buffer.narrow(2, 0, length).copy_(held)
         return buffer
 
 
