@@ -1,20 +1,92 @@
-// One block of 32 activations quantised to 8 bits, as both kernels (int4_linear.cpp, q8_linear.cpp) and
-// llama.cpp's Q8_0 / Q8_1 do: a = max|x| / 127, xq = round(x / a) (to nearest, ties to even) in -127..127.
-// Also the block's fp32 sum, in one fixed order (8 lanes of 4 sequential adds, then a fixed tree) and the sum
-// of xq. The AVX2 code and the portable loop give the same bits: max and integer sums are exact in any order,
-// the fp32 sum follows the lanes' order in both. A scalar loop took ~1 ns an activation: a tenth of a one-row
-// 4-bit matmul of the embedded model, more with rows.
+// What both kernels (int4_linear.cpp, q8_linear.cpp) share: the instruction set they are built for, how
+// they tile rows, and one block of 32 activations quantised to 8 bits as both (and llama.cpp's Q8_0 / Q8_1)
+// do: a = max|x| / 127, xq = round(x / a) (to nearest, ties to even) in -127..127, with the block's fp32 sum in
+// one fixed order (8 lanes of 4 sequential adds, then a fixed tree) and the sum of xq. The AVX2 code and the
+// portable loop give the same bits: max and integer sums are exact in any order, the fp32 sum follows the
+// lanes' order in both. A scalar loop took ~1 ns an activation: a tenth of a one-row 4-bit matmul of the
+// embedded model, more with rows.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <type_traits>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CSD_AVX2 1
 #include <immintrin.h>
+// VNNI's one instruction for a 4-byte unsigned x signed dot product added to a 32-bit lane (AVX512-VNNI on
+// 256-bit vectors: Zen 4, Ice Lake and later Xeons; AVX-VNNI: Alder Lake and later) replaces AVX2's three
+// (two pairwise multiplies, one add; and one widening multiply-add a block). The kernels sum the same
+// integers either way (AVX2's 16-bit pairs cannot overflow in them), so every build gives a row the same bits.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CSD_VNNI 1
+#define CSD_DOT_BYTES _mm256_dpbusd_epi32
+#elif defined(__AVXVNNI__)
+#define CSD_VNNI 1
+#define CSD_DOT_BYTES _mm256_dpbusd_avx_epi32
+#endif
 #endif
 
 namespace csd {
+
+// rows that share one read of a weight block, two registers a row: 4 in AVX2's 16 vector registers, 8 where
+// AVX-512VL gives 256-bit code 32 of them (the weights' decoding, shared by the tile, then costs half as much
+// a row)
+#if defined(__AVX512VL__)
+constexpr int kMaxTile = 8;
+#else
+constexpr int kMaxTile = 4;
+#endif
+
+// `rows` rows as tiles, the largest first, then one tile for the rest (3 rows as one tile, not a 2-row and a
+// 1-row one: each tile reads and decodes the weights once): tile(std::integral_constant<int, T>{}, first row)
+template <typename Tile>
+inline void for_each_tile(int64_t rows, Tile&& tile) {
+  int64_t r = 0;
+  for (; rows - r >= kMaxTile; r += kMaxTile) tile(std::integral_constant<int, kMaxTile>{}, r);
+  if constexpr (kMaxTile > 4) {
+    if (rows - r >= 4) {
+      tile(std::integral_constant<int, 4>{}, r);
+      r += 4;
+    }
+  }
+  if (rows - r == 3) tile(std::integral_constant<int, 3>{}, r);
+  if (rows - r == 2) tile(std::integral_constant<int, 2>{}, r);
+  if (rows - r == 1) tile(std::integral_constant<int, 1>{}, r);
+}
+
+// independent chains of VNNI dot products a row of a T-row tile: one waits ~5 cycles for the instruction
+// before it on the same register, so one chain a row left a 1-row call slower than AVX2's (integer sums: any
+// order is exact)
+template <int T>
+constexpr int kChains = T >= 8 ? 1 : (T >= 4 ? 2 : (T == 3 ? 3 : 8 / T));
+
+#if CSD_VNNI
+template <int T, int C>
+inline void sum_chains(const __m256i (&chains)[T][C], __m256i (&sums)[T]) {
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    sums[t] = chains[t][0];
+#pragma GCC unroll 8
+    for (int c = 1; c < C; ++c) sums[t] = _mm256_add_epi32(sums[t], chains[t][c]);
+  }
+}
+#endif
+
+// the instruction set a kernel was built for, as its `isa()` says
+inline std::string isa_name() {
+#if CSD_VNNI && defined(__AVX512VL__)
+  return "avx2+avx512vnni";
+#elif CSD_VNNI
+  return "avx2+avxvnni";
+#elif CSD_AVX2
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
 
 struct QuantisedBlock {
   float scale;  // a
@@ -22,7 +94,7 @@ struct QuantisedBlock {
   int32_t qsum;  // sum of xq
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if CSD_AVX2
 
 inline float block_hsum(__m256 v) {  // (s0 + s4) + (s2 + s6) + ((s1 + s5) + (s3 + s7)), as in the loop below
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -36,22 +36,6 @@
 
 #include "blocks.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define CSD_INT4_AVX2 1
-#include <immintrin.h>
-// VNNI's one instruction for a 4-byte unsigned x signed dot product added to a 32-bit lane (AVX512-VNNI on
-// 256-bit vectors: Zen 4, Ice Lake and later Xeons; AVX-VNNI: Alder Lake and later) replaces AVX2's three
-// (two pairwise multiplies, one add; and one widening multiply-add a block). The sums are the same integers:
-// AVX2's 16-bit pairs cannot overflow here (see group_rows), so every build gives a row the same bits.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define CSD_INT4_VNNI 1
-#define CSD_DOT_BYTES _mm256_dpbusd_epi32
-#elif defined(__AVXVNNI__)
-#define CSD_INT4_VNNI 1
-#define CSD_DOT_BYTES _mm256_dpbusd_avx_epi32
-#endif
-#endif
-
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -60,13 +44,6 @@ constexpr int64_t kBlock = 32;
 using Scale = c10::Half;
 constexpr int64_t kColumns = 8;     // columns interleaved in the packed layout (one per 32-bit lane)
 constexpr int64_t kGroupBytes = 128;  // one block of 8 columns
-// rows that share one read of a block, two registers a row: 4 in AVX2's 16 vector registers, 8 where AVX-512VL
-// gives 256-bit code 32 of them (the weights' decoding, shared by the tile, then costs half as much a row)
-#if defined(__AVX512VL__)
-constexpr int kMaxTile = 8;
-#else
-constexpr int kMaxTile = 4;
-#endif
 
 // A call's activations, quantised per block (see the top), block-major so that the rows of a tile sit side by
 // side for each block (one pointer a tile, each row at a fixed offset): xq [K / 32, R, 32] int8; the scales a,
@@ -106,7 +83,7 @@ Quantised quantise(const In* x, int64_t rows, int64_t k) {
   return Quantised{xq, scale, sums, corrections};
 }
 
-#if CSD_INT4_AVX2
+#if CSD_AVX2
 
 // T rows (from row r0 of the `rows` quantised) times one group of 8 columns: w, d and m at the group's start
 template <int T, typename Out>
@@ -114,7 +91,7 @@ inline void group_rows(const uint8_t* __restrict w, const Scale* __restrict d, c
                        const Quantised& xs, int64_t r0, int64_t rows, int64_t blocks, Out* __restrict out,
                        int64_t out_stride) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-#if !CSD_INT4_VNNI
+#if !CSD_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   __m256 acc[T];
@@ -123,11 +100,9 @@ inline void group_rows(const uint8_t* __restrict w, const Scale* __restrict d, c
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = w + b * kGroupBytes;
     const int8_t* xb = xs.xq + (b * rows + r0) * kBlock;
-#if CSD_INT4_VNNI
-    // per row, the block's 8 columns' integer dot products, one per 32-bit lane, in C independent chains (a
-    // dot-product instruction waits ~5 cycles for the one before it on the same register; integer sums: any
-    // order is exact)
-    constexpr int C = T >= 8 ? 1 : (T >= 4 ? 2 : (T == 3 ? 3 : 8 / T));
+#if CSD_VNNI
+    // per row, the block's 8 columns' integer dot products, one per 32-bit lane, in C independent chains
+    constexpr int C = csd::kChains<T>;
     __m256i chains[T][C];
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t)
@@ -148,7 +123,7 @@ inline void group_rows(const uint8_t* __restrict w, const Scale* __restrict d, c
         int32_t x_lo, x_hi;  // the row's activation bytes 4i..4i + 3 and 16 + 4i..16 + 4i + 3
         std::memcpy(&x_lo, xb + t * kBlock + 4 * i, 4);
         std::memcpy(&x_hi, xb + t * kBlock + 16 + 4 * i, 4);
-#if CSD_INT4_VNNI
+#if CSD_VNNI
         chains[t][(2 * i) % C] = CSD_DOT_BYTES(chains[t][(2 * i) % C], lo, _mm256_set1_epi32(x_lo));
         chains[t][(2 * i + 1) % C] = CSD_DOT_BYTES(chains[t][(2 * i + 1) % C], hi, _mm256_set1_epi32(x_hi));
 #else
@@ -158,14 +133,9 @@ inline void group_rows(const uint8_t* __restrict w, const Scale* __restrict d, c
 #endif
       }
     }
-#if CSD_INT4_VNNI
+#if CSD_VNNI
     __m256i sums[T];
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      sums[t] = chains[t][0];
-#pragma GCC unroll 8
-      for (int c = 1; c < C; ++c) sums[t] = _mm256_add_epi32(sums[t], chains[t][c]);
-    }
+    csd::sum_chains(chains, sums);
 #endif
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * kColumns)));
     const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b * kColumns)));
@@ -174,7 +144,7 @@ inline void group_rows(const uint8_t* __restrict w, const Scale* __restrict d, c
     const float* c = xs.corrections + b * rows + r0;
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
-#if CSD_INT4_VNNI
+#if CSD_VNNI
       const __m256 dot = _mm256_cvtepi32_ps(sums[t]);
 #else
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[t], ones));
@@ -232,21 +202,10 @@ void run(const Quantised& xs, const uint8_t* w, const Scale* d, const Scale* m, 
       const uint8_t* wg = w + g * blocks * kGroupBytes;
       const Scale* dg = d + g * blocks * kColumns;
       const Scale* mg = m + g * blocks * kColumns;
-      int64_t r = 0;
-      auto tile = [&](auto size) {
+      csd::for_each_tile(rows, [&](auto size, int64_t r) {
         constexpr int T = decltype(size)::value;
         group_rows<T>(wg, dg, mg, xs, r, rows, blocks, out + r * n_out + g * kColumns, n_out);
-        r += T;
-      };
-      // the largest tiles first, then one tile for the rest: 3 rows as one tile, not a 2-row and a 1-row one
-      // (each tile reads and decodes the weights once)
-      while (rows - r >= kMaxTile) tile(std::integral_constant<int, kMaxTile>{});
-      if constexpr (kMaxTile > 4) {
-        if (rows - r >= 4) tile(std::integral_constant<int, 4>{});
-      }
-      if (rows - r == 3) tile(std::integral_constant<int, 3>{});
-      if (rows - r == 2) tile(std::integral_constant<int, 2>{});
-      if (rows - r == 1) tile(std::integral_constant<int, 1>{});
+      });
     }
   });
 }
@@ -413,7 +372,7 @@ inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-#if CSD_INT4_AVX2
+#if CSD_AVX2
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -520,7 +479,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
           for (int64_t j = 0; j <= keys - length + t; ++j) index[count++] = j;
         }
         float* o = op + (b * length + t) * heads * dim + h * dim;
-#if CSD_INT4_AVX2
+#if CSD_AVX2
         if (dim == 64) {
           attend_avx2<64>(qv, kb, vb, k_stride, v_stride, index.data(), count, scale, scores.data(), o);
           continue;
@@ -594,17 +553,7 @@ torch::Tensor output_mlp(const torch::Tensor& attn, const torch::Tensor& residua
   return out;
 }
 
-std::string isa() {
-#if CSD_INT4_VNNI && defined(__AVX512VL__)
-  return "avx2+avx512vnni";
-#elif CSD_INT4_VNNI
-  return "avx2+avxvnni";
-#elif CSD_INT4_AVX2
-  return "avx2";
-#else
-  return "portable";
-#endif
-}
+std::string isa() { return csd::isa_name(); }
 
 }  // namespace
 

@@ -32,30 +32,11 @@
 
 #include "blocks.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#define CSD_Q8_AVX2 1
-#include <immintrin.h>
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define CSD_Q8_VNNI 1
-#define CSD_DOT_BYTES _mm256_dpbusd_epi32
-#elif defined(__AVXVNNI__)
-#define CSD_Q8_VNNI 1
-#define CSD_DOT_BYTES _mm256_dpbusd_avx_epi32
-#endif
-#endif
-
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kColumns = 8;       // columns interleaved in the packed layout (one per 32-bit lane)
 constexpr int64_t kGroupBytes = 256;  // one block of 8 columns
-// rows that share one read of a block, two registers a row: 4 in AVX2's 16 vector registers, 8 where AVX-512VL
-// gives 256-bit code 32 of them
-#if defined(__AVX512VL__)
-constexpr int kMaxTile = 8;
-#else
-constexpr int kMaxTile = 4;
-#endif
 
 // A call's activations quantised per block, block-major so that a tile's rows sit side by side for each block:
 // xq [K / 32, R, 32] (int8; offset by 128 as uint8 on the VNNI path), scales a [K / 32, R]. Held in buffers of
@@ -71,7 +52,7 @@ Quantised quantise(const float* x, int64_t rows, int64_t k) {
   const int64_t blocks = k / kBlock;
   xq_buffer.resize(static_cast<size_t>(rows * k));
   scale_buffer.resize(static_cast<size_t>(rows * blocks));
-#if CSD_Q8_VNNI
+#if CSD_VNNI
   constexpr int kOffset = 128;
 #else
   constexpr int kOffset = 0;
@@ -83,14 +64,14 @@ Quantised quantise(const float* x, int64_t rows, int64_t k) {
   return Quantised{xq_buffer.data(), scale_buffer.data()};
 }
 
-#if CSD_Q8_AVX2
+#if CSD_AVX2
 
 // T rows (from row r0 of the `rows` quantised) times one group of 8 columns: w, s and sums at the group's start
 template <int T>
 inline void group_rows(const int8_t* __restrict w, const float* __restrict s, const int32_t* __restrict wsum,
                        const Quantised& xs, int64_t r0, int64_t rows, int64_t blocks, float* __restrict out,
                        int64_t out_stride, int64_t columns) {
-#if !CSD_Q8_VNNI
+#if !CSD_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   __m256 acc[T];
@@ -99,10 +80,9 @@ inline void group_rows(const int8_t* __restrict w, const float* __restrict s, co
   for (int64_t b = 0; b < blocks; ++b) {
     const int8_t* wb = w + b * kGroupBytes;
     const int8_t* xb = xs.xq + (b * rows + r0) * kBlock;
-#if CSD_Q8_VNNI
-    // C independent chains a row: a dot-product instruction waits ~5 cycles for the one before it on the same
-    // register, so one chain a row left a 1-row call slower than AVX2's (integer sums: any order is exact)
-    constexpr int C = T >= 8 ? 1 : (T >= 4 ? 2 : (T == 3 ? 3 : 8 / T));
+#if CSD_VNNI
+    // C independent chains a row (`csd::kChains`)
+    constexpr int C = csd::kChains<T>;
     __m256i chains[T][C];
     // sum (xq + 128) q = sum xq q + 128 sum q: the first chain starts from -128 sum q
     const __m256i start = _mm256_slli_epi32(
@@ -122,14 +102,14 @@ inline void group_rows(const int8_t* __restrict w, const float* __restrict s, co
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i));
-#if !CSD_Q8_VNNI
+#if !CSD_VNNI
       const __m256i magnitude = _mm256_sign_epi8(v, v);  // |q| (q is never -128)
 #endif
 #pragma GCC unroll 8
       for (int t = 0; t < T; ++t) {
         int32_t x4;  // the row's activation bytes 4i..4i + 3
         std::memcpy(&x4, xb + t * kBlock + 4 * i, 4);
-#if CSD_Q8_VNNI
+#if CSD_VNNI
         chains[t][i % C] = CSD_DOT_BYTES(chains[t][i % C], _mm256_set1_epi32(x4), v);
 #else
         const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(x4), v));
@@ -137,14 +117,9 @@ inline void group_rows(const int8_t* __restrict w, const float* __restrict s, co
 #endif
       }
     }
-#if CSD_Q8_VNNI
+#if CSD_VNNI
     __m256i sums[T];
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      sums[t] = chains[t][0];
-#pragma GCC unroll 8
-      for (int c = 1; c < C; ++c) sums[t] = _mm256_add_epi32(sums[t], chains[t][c]);
-    }
+    csd::sum_chains(chains, sums);
 #endif
     const __m256 sv = _mm256_loadu_ps(s + b * kColumns);
     const float* a = xs.scale + b * rows + r0;
@@ -210,36 +185,16 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const to
       const float* sg = sp + g * blocks * kColumns;
       const int32_t* ug = up + g * blocks * kColumns;
       const int64_t columns = std::min<int64_t>(kColumns, n_out - g * kColumns);
-      int64_t r = 0;
-      auto tile = [&](auto size) {
+      csd::for_each_tile(rows, [&](auto size, int64_t r) {
         constexpr int T = decltype(size)::value;
         group_rows<T>(wg, sg, ug, xs, r, rows, blocks, op + r * n_out + g * kColumns, n_out, columns);
-        r += T;
-      };
-      // the largest tiles first, then one tile for the rest (each tile reads the group's weights once)
-      while (rows - r >= kMaxTile) tile(std::integral_constant<int, kMaxTile>{});
-      if constexpr (kMaxTile > 4) {
-        if (rows - r >= 4) tile(std::integral_constant<int, 4>{});
-      }
-      if (rows - r == 3) tile(std::integral_constant<int, 3>{});
-      if (rows - r == 2) tile(std::integral_constant<int, 2>{});
-      if (rows - r == 1) tile(std::integral_constant<int, 1>{});
+      });
     }
   });
   return out;
 }
 
-std::string isa() {
-#if CSD_Q8_VNNI && defined(__AVX512VL__)
-  return "avx2+avx512vnni";
-#elif CSD_Q8_VNNI
-  return "avx2+avxvnni";
-#elif CSD_Q8_AVX2
-  return "avx2";
-#else
-  return "portable";
-#endif
-}
+std::string isa() { return csd::isa_name(); }
 
 }  // namespace
 
