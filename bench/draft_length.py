@@ -105,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                         generation = engine.generate(
                             ids, SamplingParams(max_tokens=args.max_tokens), config, drafter=drafter
                         )
-                        for step in run_alone(generation):
-                            tokens += len(step.tokens)
+                        for decoded in run_alone(generation):
+                            tokens += len(decoded.tokens)
                             forwards += 1
-                            priced += costs(1, 1 + step.round.num_draft_tokens)
+                            priced += costs(1, 1 + decoded.round.num_draft_tokens)
                         wall += time.perf_counter() - started
                     print(
                         f"| {workload} | {drafter} | {k} | {'adaptive' if adaptive else 'fixed'} | "

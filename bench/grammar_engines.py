@@ -3,7 +3,7 @@
     python -m bench.grammar_engines [--model embedded] [--repeats 3]   # pip install xgrammar to compare it too
 
 Per engine: the one-off cost of preparing the tokenizer, the cost of compiling each schema, and the cost of
-one next-token mask while walking a valid JSON document token by token (what a decoding step pays), plus
+one next-token mask while walking a valid JSON document token by token (what each decoded token pays), plus
 what speculation adds: checking a draft position by position and rolling back. Prints the machine line.
 """
 

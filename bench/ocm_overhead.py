@@ -2,8 +2,8 @@
 
 Runs CSD generation (embedded model, n-gram drafter, greedy) over prompts from bench/data/grounded.jsonl
 with the OCM in Redis, and reports the time spent inside the rescue rule (`ocm_seconds`: record the
-divergence pattern, the semantic gate, read the count) as a share of decoding time, per verification step
-(one target forward) and in total. The CSD paper reports 0.01-0.02 %; our goal is under 1 %.
+divergence pattern, the semantic gate, read the count) as a share of decoding time, per round (one target
+forward verifying the draft) and in total. The CSD paper reports 0.01-0.02 %; our goal is under 1 %.
 
     python -m bench.ocm_overhead                        # starts a throwaway redis-server (AOF on)
     python -m bench.ocm_overhead --redis-url redis://host:6379/0
@@ -92,21 +92,21 @@ def run(args: argparse.Namespace, url: str | None) -> dict:
     ]
 
     ocm_total = decode_total = 0.0
-    steps = rejecting_steps = rescued = tokens = 0
-    step_ocm: list[float] = []  # per step with OCM work: seconds in the rescue rule
-    step_share: list[float] = []  # ... and as a share of that step's time
+    rounds = rejecting_rounds = rescued = tokens = 0
+    round_ocm: list[float] = []  # per round with OCM work: seconds in the rescue rule
+    round_share: list[float] = []  # ... and as a share of that round's time
     for pass_ in range(args.passes):
         for i, ids in enumerate(inputs):
             generation = engine.generate(ids, sampling, spec)
             before = 0.0
-            for step in run_alone(generation):
-                step_seconds = generation.stats.decode_seconds - before
+            for decoded in run_alone(generation):
+                round_seconds = generation.stats.decode_seconds - before
                 before = generation.stats.decode_seconds
-                steps += 1
-                if step.round.ocm_seconds > 0 and step_seconds > 0:
-                    rejecting_steps += 1
-                    step_ocm.append(step.round.ocm_seconds)
-                    step_share.append(step.round.ocm_seconds / step_seconds)
+                rounds += 1
+                if decoded.round.ocm_seconds > 0 and round_seconds > 0:
+                    rejecting_rounds += 1
+                    round_ocm.append(decoded.round.ocm_seconds)
+                    round_share.append(decoded.round.ocm_seconds / round_seconds)
             stats = generation.stats
             ocm_total += stats.ocm_seconds
             decode_total += stats.decode_seconds
@@ -132,18 +132,18 @@ def run(args: argparse.Namespace, url: str | None) -> dict:
         "passes": args.passes,
         "max_tokens": args.max_tokens,
         "completion_tokens": tokens,
-        "steps": steps,
-        "steps_with_ocm_work": rejecting_steps,
+        "rounds": rounds,
+        "rounds_with_ocm_work": rejecting_rounds,
         "rescued_tokens": rescued,
         "ocm_seconds": ocm_total,
         "decode_seconds": decode_total,
         "ocm_share_total": ocm_total / decode_total if decode_total else 0.0,
-        "ocm_seconds_per_step": ocm_total / steps if steps else 0.0,
-        "step_seconds_mean": decode_total / steps if steps else 0.0,
-        "ocm_share_per_step_median": statistics.median(step_share) if step_share else 0.0,
-        "ocm_share_per_step_p99": percentile(step_share, 0.99),
-        "ocm_share_per_step_max": max(step_share, default=0.0),
-        "ocm_seconds_per_rejecting_step_mean": statistics.fmean(step_ocm) if step_ocm else 0.0,
+        "ocm_seconds_per_round": ocm_total / rounds if rounds else 0.0,
+        "round_seconds_mean": decode_total / rounds if rounds else 0.0,
+        "ocm_share_per_round_median": statistics.median(round_share) if round_share else 0.0,
+        "ocm_share_per_round_p99": percentile(round_share, 0.99),
+        "ocm_share_per_round_max": max(round_share, default=0.0),
+        "ocm_seconds_per_rejecting_round_mean": statistics.fmean(round_ocm) if round_ocm else 0.0,
         "background_flushes": status.extra["flushes"],
         "background_flush_seconds": status.extra["flush_seconds_total"],
         "dropped_increments": status.extra["dropped_increments"],
@@ -158,14 +158,15 @@ def report(result: dict, command: str, url_shown: str) -> str:
             f"OCM overhead with the {r['backend']} backend ({url_shown}); {r['model']}, csd, n-gram drafter, "
             f"greedy, {r['torch_threads']} torch threads",
             f"  {r['prompts']} prompts from bench/data/grounded.jsonl x {r['passes']} passes, max_tokens "
-            f"{r['max_tokens']}: {r['completion_tokens']} tokens, {r['steps']} verification steps "
-            f"({r['steps_with_ocm_work']} with a rejection), {r['rescued_tokens']} rescued tokens",
+            f"{r['max_tokens']}: {r['completion_tokens']} tokens, {r['rounds']} verification rounds "
+            f"({r['rounds_with_ocm_work']} with a rejection), {r['rescued_tokens']} rescued tokens",
             f"  total:    OCM {r['ocm_seconds'] * 1e3:.2f} ms of {r['decode_seconds']:.2f} s decoding = "
             f"{r['ocm_share_total']:.4%} (goal < 1 %: {goal})",
-            f"  per step: OCM {r['ocm_seconds_per_step'] * 1e6:.1f} us of a {r['step_seconds_mean'] * 1e3:.1f} ms "
-            f"step on average; steps with a rejection: {r['ocm_seconds_per_rejecting_step_mean'] * 1e6:.1f} us, "
-            f"share median {r['ocm_share_per_step_median']:.4%}, p99 {r['ocm_share_per_step_p99']:.4%}, "
-            f"max {r['ocm_share_per_step_max']:.4%}",
+            f"  per round: OCM {r['ocm_seconds_per_round'] * 1e6:.1f} us of a "
+            f"{r['round_seconds_mean'] * 1e3:.1f} ms round on average; rounds with a rejection: "
+            f"{r['ocm_seconds_per_rejecting_round_mean'] * 1e6:.1f} us, "
+            f"share median {r['ocm_share_per_round_median']:.4%}, p99 {r['ocm_share_per_round_p99']:.4%}, "
+            f"max {r['ocm_share_per_round_max']:.4%}",
             f"  off the decoding thread: {r['background_flushes']} pipelined flushes, "
             f"{r['background_flush_seconds'] * 1e3:.1f} ms in total; dropped increments: {r['dropped_increments']}",
             f"  reproduce: {command}",

@@ -16,7 +16,7 @@ repeat by repeat (agent loop), so a machine shared with other work slows both al
   request it happened in; each arm then keeps its own history).
 
     python -m bench.prefix_cache                    # ~5 min on a shared 2-core machine
-    python -m bench.prefix_cache --quick            # 1 conversation, 2 agents x 3 steps
+    python -m bench.prefix_cache --quick            # 1 conversation, 2 agents x 3 calls
 
 Writes bench/results/prefix-cache-<timestamp>/ (prefix_cache.json, prefix_cache.md) and prints the table.
 """
@@ -138,8 +138,8 @@ def run_one(arm: Arm, ids: list[int], args) -> tuple[list[int], str, float, int]
     batch.add(g)
     ttft = None
     while len(batch):
-        for stepped, step in batch.step():
-            if stepped is g and step.tokens and ttft is None:
+        for decoding, decoded in batch.step():
+            if decoding is g and decoded.tokens and ttft is None:
                 ttft = time.perf_counter() - started
         if batch.failed:
             raise batch.failed[0][1]
@@ -187,7 +187,7 @@ def agent_loop(arm: Arm, tokenizer, args) -> dict:
         ]
         for i in range(args.agents)
     ]
-    steps_done = [0] * args.agents
+    calls_done = [0] * args.agents
     running: dict[int, tuple[object, float]] = {}
     ttfts, tokens, prompt_tokens, cached_tokens, outputs = [], 0, 0, 0, []
 
@@ -203,9 +203,9 @@ def agent_loop(arm: Arm, tokenizer, args) -> dict:
         start(agent)
     first_seen: set[int] = set()
     while running:
-        for stepped, step in batch.step():
+        for decoding, decoded in batch.step():
             for g, t0 in running.values():
-                if stepped is g and step.tokens and id(g) not in first_seen:
+                if decoding is g and decoded.tokens and id(g) not in first_seen:
                     first_seen.add(id(g))
                     ttfts.append(time.perf_counter() - t0)
         if batch.failed:
@@ -217,13 +217,13 @@ def agent_loop(arm: Arm, tokenizer, args) -> dict:
             tokens += len(g.tokens)
             prompt_tokens += g.stats.prompt_tokens
             cached_tokens += g.stats.cached_tokens
-            outputs.append((agent, steps_done[agent], [t.token_id for t in g.tokens]))
-            steps_done[agent] += 1
+            outputs.append((agent, calls_done[agent], [t.token_id for t in g.tokens]))
+            calls_done[agent] += 1
             histories[agent].append({"role": "assistant", "content": g.text})
             histories[agent].append(
-                {"role": "user", "content": TOOL_RESULT % (agent * 100 + steps_done[agent])}
+                {"role": "user", "content": TOOL_RESULT % (agent * 100 + calls_done[agent])}
             )
-            if steps_done[agent] < args.steps:
+            if calls_done[agent] < args.steps:
                 start(agent)
     wall = time.perf_counter() - started
     return {

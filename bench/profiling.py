@@ -169,7 +169,7 @@ def run_profile(bench: Bench) -> dict:
         "prompt_id": prompt.id,
         "prompt_tokens": len(ids),
         "forward_seconds_by_tokens": {str(n): s for n, s in costs.items()},
-        # cost of verifying a full draft relative to one plain decoding step
+        # cost of verifying a full draft relative to one plain round (a one-token forward)
         "full_draft_cost_ratio": costs[k + 1] / costs[1],
         "drafter_cost": drafters,
         "lm_head_seconds_by_tokens": {

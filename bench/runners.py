@@ -138,7 +138,7 @@ class RunOutput:
     # rescued tokens as (draft token, the target token it replaced)
     rescues: list[tuple[int, int]] = field(default_factory=list)
     # (tokens emitted so far, seconds since the call began) after each target forward; empty for the peer,
-    # whose `generate` does not show its steps
+    # whose `generate` does not show its rounds
     token_times: list[tuple[int, float]] = field(default_factory=list)
     # rescues the guards refused that both CSD gates had passed, by reason ("turn", "fact", "number", ...)
     refused_rescues: Counter = field(default_factory=Counter)
@@ -148,7 +148,7 @@ class RunOutput:
         return len(self.token_ids)
 
     def seconds_to(self, n: int) -> float:
-        """Wall time until the first `n` tokens were out: the step that emitted the n-th token (our engine);
+        """Wall time until the first `n` tokens were out: the round that emitted the n-th token (our engine);
         pro rata of the whole call for the peer (an approximation, its prefill spread over its tokens)."""
         if n >= self.tokens or n <= 0:
             return self.seconds if n > 0 else 0.0
@@ -180,11 +180,11 @@ def run_engine(
     generation = engine.generate(
         prompt_ids, SamplingParams(max_tokens=max_tokens), speculative, drafter=spec.drafter or "ngram"
     )
-    for step in run_alone(generation):
-        emitted += len(step.tokens)
+    for decoded in run_alone(generation):
+        emitted += len(decoded.tokens)
         token_times.append((emitted, time.perf_counter() - started))
-        if step.round.num_draft_tokens:
-            kept[step.round.num_kept] += 1
+        if decoded.round.num_draft_tokens:
+            kept[decoded.round.num_kept] += 1
         else:
             undrafted += 1
     seconds = time.perf_counter() - started

@@ -3,9 +3,9 @@
 The benchmark's own evaluation prompts (training.unseen.EVALUATION_SETS; the corpus filter keeps every
 training prompt 8-word-disjoint from them) are answered greedily by the target in the serving dtype (exactly
 vanilla's output), their features computed as for training, and each head is scored with
-`train_head.evaluate`: accuracy per draft step and the tokens per target forward that serving with the head's
-own stop rule would give. Timing-free, so it is a fair comparison of heads on a busy machine, and it is the
-check of the model card's prediction (the card predicts from the other prompts in training.unseen).
+`train_head.evaluate`: accuracy per drafted position and the tokens per target forward that serving with the
+head's own stop rule would give. Timing-free, so it is a fair comparison of heads on a busy machine, and it
+is the check of the model card's prediction (the card predicts from the other prompts in training.unseen).
 
     python -m training.evaluate --head service/decoding/draft_heads/smollm2-135m-instruct --head OTHER
 """

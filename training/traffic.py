@@ -8,7 +8,7 @@ the very prompts an operator's users send, which no shipped corpus has (docs/tra
    teach anything;
 2. hold out a seeded share of them by request (records of one prompt stay on one side);
 3. teacher-forced target features of both sides (training.features.shard_features);
-4. measure the starting head on the held-out side (training.train_head.evaluate: per-step acceptance and
+4. measure the starting head on the held-out side (training.train_head.evaluate: per-position acceptance and
    expected tokens per target forward of a 6-token draft), fine-tune it on the rest (`TrainConfig.init_from`:
    its weights and draft vocabulary, a lower lr), measure again; both go to `traffic.json` and the card.
 
@@ -211,12 +211,12 @@ def _card(report: dict) -> str:
 
 Started from `{report["start_head"]}` (its weights and draft vocabulary), fine-tuned by
 `python -m training --from-traffic {report["traffic"]}` (training/traffic.py) on {report["records"]["train"]}
-recorded generations ({report["positions"]["train"]} positions), {report["steps"]} steps,
+recorded generations ({report["positions"]["train"]} positions), {report["steps"]} optimizer steps,
 {report["seconds"]:.0f} s on {report["torch_threads"]} CPU threads. Details: traffic.json, training.json.
 
 Held out by request: {report["records"]["held_out"]} generations, {before["positions"]} positions (teacher-forced).
 
-| | accuracy per draft step | expected tokens per target forward (6-token draft) |
+| | accuracy per drafted position | expected tokens per target forward (6-token draft) |
 |---|---|---|
 | before | {before["accuracy_per_step"]} | {before["expected_tokens_per_forward_k6"]} |
 | after | {after["accuracy_per_step"]} | {after["expected_tokens_per_forward_k6"]} |

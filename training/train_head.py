@@ -1,14 +1,14 @@
 """Train the recurrent draft head (service/decoding/draft_head.py) on self-distillation data.
 
 Each example starts at a position i of a target answer with the target's hidden state hidden[i] and unrolls
-`unroll` draft steps exactly as serving does: step j consumes tokens[i + j - 1] and must predict
-tokens[i + j] (the target's greedy choice). Two losses per step, as in EAGLE (Li et al., 2024):
+`unroll` drafted positions exactly as serving does: position j consumes tokens[i + j - 1] and must predict
+tokens[i + j] (the target's greedy choice). Two losses per position, as in EAGLE (Li et al., 2024):
 - cross-entropy on the draft vocabulary against the target's token (what acceptance counts);
 - smooth-L1 between the head's state and the target's own hidden state at that position, hidden[i + j]:
   a dense signal that keeps the unrolled state in the space the target's LM head reads.
-Steps are teacher-forced on the target's tokens (those are what a kept draft feeds next).
+Positions are teacher-forced on the target's tokens (those are what a kept draft feeds next).
 
-Held-out answers (a seeded 3 %) give the per-step accuracy and the expected tokens per target forward of a
+Held-out answers (a seeded 3 %) give the per-position accuracy and the expected tokens per target forward of a
 6-token draft, 1 + sum_j prod_{m<=j} acc_m, reported in the model card.
 """
 
@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 class TrainConfig:
     seed: int = 0
     epochs: float = 2.0
-    batch_size: int = 512  # start positions per step
-    unroll: int = 5  # draft steps trained per example
+    batch_size: int = 512  # start positions per optimizer step
+    unroll: int = 5  # drafted positions trained per example
     lr: float = 1e-3
     weight_decay: float = 0.01
     warmup_steps: int = 50
@@ -131,17 +131,17 @@ def _positions(spans: list[tuple[int, int]]) -> torch.Tensor:
 def _unrolled_loss(
     head: RecurrentDraftHead, data: Data, starts: torch.Tensor, remap: torch.Tensor, config: TrainConfig
 ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-    """Mean loss over the unrolled steps, and per step (correct, counted) top-1 tallies."""
+    """Mean loss over the unrolled positions, and per position (correct, counted) top-1 tallies."""
     state = head.initial_state(data.start_features(starts))
     total = state.new_zeros(())
     tallies = []
     for j in range(1, config.unroll + 1):
-        pos = starts + j  # the label of step j is tokens[start + j]
+        pos = starts + j  # the label of position j is tokens[start + j]
         valid = pos < data.ends[starts]
         if not bool(valid.any()):
             break
         safe = torch.where(valid, pos, starts)
-        state, logits = head.step(state, data.tokens[safe - 1])
+        state, logits = head.advance(state, data.tokens[safe - 1])
         labels = remap[data.tokens[safe]]
         labels = torch.where(valid, labels, torch.full_like(labels, -100))
         ce = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100)
@@ -159,12 +159,13 @@ def evaluate(
     starts: torch.Tensor,
     remap: torch.Tensor,
     config: TrainConfig,
-    max_steps: int = 6,
+    max_positions: int = 6,
     min_survival: float | None = None,
 ) -> dict:
     """Teacher-forced held-out figures of a head:
-    - accuracy per draft step, and the conditional acceptance of a chain (a step counts only where every
-      earlier step was right: what a draft needs), with the tokens per forward a full 6-token draft implies;
+    - accuracy per drafted position, and the conditional acceptance of a chain (a position counts only where
+      every earlier position was right: what a draft needs), with the tokens per forward a full 6-token draft
+      implies;
     - `served_tokens_per_forward`: serving simulated, with the head's own stop rule (`MIN_SURVIVAL` on its
       calibrated confidence): each start drafts until the rule stops it or 6 tokens, keeps the draft's
       correct prefix, plus the target's own token. This is the model card's prediction for greedy serving
@@ -174,8 +175,8 @@ def evaluate(
 
     threshold = MIN_SURVIVAL if min_survival is None else min_survival
     head.eval()
-    correct, counted = [0] * max_steps, [0] * max_steps
-    chain_hits, chain_tries = [0] * max_steps, [0] * max_steps
+    correct, counted = [0] * max_positions, [0] * max_positions
+    chain_hits, chain_tries = [0] * max_positions, [0] * max_positions
     served_kept = served_drafted = 0
     temperature = head.config.confidence_temperature
     with torch.no_grad():
@@ -185,11 +186,11 @@ def evaluate(
             alive = torch.ones(len(batch), dtype=torch.bool)
             drafting = torch.ones(len(batch), dtype=torch.bool)  # the stop rule has not stopped this row
             survival = torch.ones(len(batch))
-            for j in range(1, max_steps + 1):
+            for j in range(1, max_positions + 1):
                 pos = batch + j
                 valid = pos < data.ends[batch]
                 safe = torch.where(valid, pos, batch)
-                state, logits = head.step(state, data.tokens[safe - 1])
+                state, logits = head.advance(state, data.tokens[safe - 1])
                 hit = (head.draft_vocab[logits.argmax(-1)] == data.tokens[safe]) & valid
                 correct[j - 1] += int(hit.sum())
                 counted[j - 1] += int(valid.sum())
@@ -221,12 +222,12 @@ def evaluate(
 
 
 def fit_confidence_temperature(
-    head: RecurrentDraftHead, data: Data, starts: torch.Tensor, max_steps: int = 6
+    head: RecurrentDraftHead, data: Data, starts: torch.Tensor, max_positions: int = 6
 ) -> dict:
     """Temperature scaling (Guo et al., 2017) of the head's top-1 confidence on held-out answers: the T that
     makes softmax(logits / T).max() the best-calibrated probability that the draft token is the target's
-    (binary cross-entropy over every unrolled step). Returns T and the expected calibration error before and
-    after, for the model card."""
+    (binary cross-entropy over every unrolled position). Returns T and the expected calibration error before
+    and after, for the model card."""
     grid = [0.6, 0.8, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.4, 2.8, 3.4, 4.0]
     losses = [0.0] * len(grid)
     confidences: list[list[torch.Tensor]] = [[] for _ in grid]
@@ -236,11 +237,11 @@ def fit_confidence_temperature(
         for first in range(0, len(starts), 2048):
             batch = starts[first : first + 2048]
             state = head.initial_state(data.start_features(batch))
-            for j in range(1, max_steps + 1):
+            for j in range(1, max_positions + 1):
                 pos = batch + j
                 valid = pos < data.ends[batch]
                 safe = torch.where(valid, pos, batch)
-                state, logits = head.step(state, data.tokens[safe - 1])
+                state, logits = head.advance(state, data.tokens[safe - 1])
                 hit = (head.draft_vocab[logits.argmax(-1)] == data.tokens[safe])[valid].float()
                 hits.append(hit)
                 for g, t in enumerate(grid):
@@ -362,7 +363,10 @@ def train(
     device_type = "cuda" if embed.is_cuda else "cpu"
     history = []
     log.info(
-        "training %d steps of %d start positions x %d unrolled steps", steps, config.batch_size, config.unroll
+        "training %d optimizer steps of %d start positions x %d unrolled positions",
+        steps,
+        config.batch_size,
+        config.unroll,
     )
     running, window, tallies_sum = 0.0, 0, None
     for step in range(steps):
@@ -479,13 +483,13 @@ target's and are not stored here.
   data; no user turn shares an 8-word sequence with any `bench/` prompt. Licence: Apache-2.0 (the target model,
   SmolLM2, is Apache-2.0; the corpus is its output).
 - Draft vocabulary: {config.draft_vocab_size} tokens, covering {100 * report["data"]["draft_vocabulary_coverage"]:.1f} % of answer tokens.
-- Training: {report["steps"]} steps of {report["config"]["batch_size"]} start positions x {report["config"]["unroll"]}
-  unrolled draft steps, AdamW lr {report["config"]["lr"]}, seed {report["config"]["seed"]},
+- Training: {report["steps"]} optimizer steps of {report["config"]["batch_size"]} start positions x {report["config"]["unroll"]}
+  unrolled drafted positions, AdamW lr {report["config"]["lr"]}, seed {report["config"]["seed"]},
   {report["seconds"]:.0f} s on {report["torch_threads"]} CPU thread(s); final training loss {report["final_loss"]}.
 - Confidence: temperature {calibration["temperature"]} fitted on {calibration["positions"]} positions of
   {calibration["on"]} (expected calibration error {calibration["ece_before"]} -> {calibration["ece_after"]});
   the stop rule reads it.
-{_predicted_lines(report)}- Held-out corpus answers (teacher-forced, {held["positions"]} positions): accuracy per draft step
+{_predicted_lines(report)}- Held-out corpus answers (teacher-forced, {held["positions"]} positions): accuracy per drafted position
   {held["accuracy_per_step"]}; conditional acceptance {held["conditional_acceptance_per_step"]}; a full
   6-token draft would give {held["expected_tokens_per_forward_k6"]} tokens per target forward, serving with the
   stop rule {held["served_tokens_per_forward"]}.{_corpus_caveat(report)}

@@ -85,8 +85,8 @@ def limits(report: dict) -> list[str]:
         "Target forward time by tokens verified (cache = one grounded prompt, "
         f"{profile['prompt_tokens']} tokens): "
         + ", ".join(f"{n} -> {s * 1000:.1f} ms" for n, s in costs.items())
-        + f". Verifying a full draft costs {profile['full_draft_cost_ratio']:.2f}x a one-token step, so a round "
-        "must keep that many tokens just to break even.",
+        + f". Verifying a full draft costs {profile['full_draft_cost_ratio']:.2f}x a one-token forward, so a "
+        "round must keep that many tokens just to break even.",
     ]
     head = profile.get("lm_head_seconds_by_tokens")
     if head:

@@ -78,8 +78,8 @@ def _interpolate(points: list[tuple[int, float]], x: float) -> float:
 
 def _speed_reason(report: dict, row: dict) -> str:
     """Why a head column runs at the speed it does: tokens per forward against what its rounds cost (a
-    forward over one token plus the draft tokens the column verified per round on average, and the head
-    steps that drafted them)."""
+    forward over one token plus the draft tokens the column verified per round on average, and the
+    drafted positions of the head that proposed them)."""
     cost = _head_cost(report)
     tpf = row["tokens_per_forward"]
     kept = f"{tpf:.2f} tokens per forward"
@@ -94,6 +94,7 @@ def _speed_reason(report: dict, row: dict) -> str:
     round_cost = forward + drafted * cost["share_of_forward"]
     return (
         f"{kept}; a round verified {drafted:.2f} draft tokens on average: a {1 + drafted:.2f}-token forward "
-        f"({forward:.2f}x a one-token one) plus as many head steps (x {cost['share_of_forward']:.1%}), about "
+        f"({forward:.2f}x a one-token one) plus as many drafted positions of the head "
+        f"(x {cost['share_of_forward']:.1%}), about "
         f"{round_cost:.2f} one-token forwards' time: about {tpf / round_cost:.2f}x vanilla expected"
     )

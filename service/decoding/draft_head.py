@@ -3,7 +3,7 @@
 Design (argued with measurements in docs/drafters.md):
 - Like Apple's ReDrafter (Cheng et al., 2024, arXiv 2403.09919), the drafter is a small recurrent network
   that starts from the target's own final hidden state h (the input of its LM head) at the position that
-  chose the round's last token, and unrolls one step per draft token:
+  chose the round's last token, and unrolls one drafted position per draft token (`advance`):
 
       state_0 = h
       state_j = state_{j-1} + Mix(norm(state_{j-1}), norm(embed(token_{j-1})))      (+ MLP blocks)
@@ -126,8 +126,8 @@ class RecurrentDraftHead(nn.Module):
         normed = [norm(part) for norm, part in zip(self.feature_norms, parts, strict=True)]
         return final + self.fuse(torch.cat(normed, dim=-1))
 
-    def step(self, state: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft position for every row: state [B, d], token_ids [B] (target ids, the last token) ->
+    def advance(self, state: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafted position for every row: state [B, d], token_ids [B] (target ids, the last token) ->
         (next state [B, d], logits over the draft vocabulary [B, draft_vocab_size])."""
         if self.embed is None or self.lm_rows is None:
             raise DecodingError("the draft head is not bound to its target's embeddings (bind())")
@@ -141,7 +141,7 @@ class RecurrentDraftHead(nn.Module):
         return state, logits
 
     def use_8bit_blocks(self) -> bool:
-        """Serve the head's per-step layers and its draft-vocabulary rows from 8-bit blocks (the project's 8-bit
+        """Serve the head's own layers and its draft-vocabulary rows from 8-bit blocks (the project's 8-bit
         kernel, `q8_head`): a draft position of the embedded model's head read ~36 MB of fp32 weights (2.2 ms on
         an AVX2 EPYC, a seventh of a target forward, paid for every drafted position); 8-bit blocks are a
         quarter of that. The rows of a Q8_0 LM head are found again exactly; the head's own layers are

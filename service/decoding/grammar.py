@@ -124,7 +124,7 @@ class GrammarMatcher:
 
     @property
     def stopped(self) -> bool:
-        """The grammar is complete and allows nothing more (the sequence can end without an EOS step)."""
+        """The grammar is complete and allows nothing more (the sequence can end without an EOS token)."""
         return self._matcher.is_stopped()
 
     def forced_tokens(self, limit: int) -> list[int]:

@@ -316,7 +316,7 @@ def load_model(
     `cpu_kernels`): multi-token forwards, which speculation and batching run, get much cheaper. A bf16 CPU
     model is made batch-invariant (`batch_invariant`) unless `batch_invariant=False`: only for a model whose
     outputs are compared with nothing, such as the training corpus writer (row-aligned attention gathers every
-    padded row's keys per layer and step: at 48 left-padded rows of 230-460 prompt tokens it decoded 3.4x
+    padded row's keys per layer and forward: at 48 left-padded rows of 230-460 prompt tokens it decoded 3.4x
     slower than SDPA).
 
     `weights`: "int4" keeps the linear layers' weights in 4-bit groups of 32 (`int4_weights`; CPU only; the

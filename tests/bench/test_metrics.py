@@ -166,11 +166,11 @@ def test_sentence_embedder_agrees_with_sentence_transformers():
 # ---------------------------------------------------------------- issue 19's instruments
 
 
-def test_seconds_to_reads_the_step_that_emitted_the_nth_token():
+def test_seconds_to_reads_the_round_that_emitted_the_nth_token():
     out = RunOutput(list(range(10)), "t", seconds=1.0, target_forwards=4,
                     token_times=[(1, 0.4), (4, 0.6), (7, 0.8), (10, 1.0)])  # fmt: skip
     assert [out.seconds_to(n) for n in (0, 1, 2, 4, 5, 10, 12)] == [0.0, 0.4, 0.6, 0.6, 0.8, 1.0, 1.0]
-    peer = RunOutput(list(range(10)), "t", seconds=2.0, target_forwards=10)  # no steps: pro rata
+    peer = RunOutput(list(range(10)), "t", seconds=2.0, target_forwards=10)  # no rounds: pro rata
     assert peer.seconds_to(5) == pytest.approx(1.0)
 
 

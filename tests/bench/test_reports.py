@@ -275,7 +275,8 @@ def test_head_speed_goal_gives_its_reason_from_the_profile():
     row["draft_tokens"] = 3 * row["target_forwards"]  # 3 draft tokens verified per round
     (goal,) = [g for g in evaluate_goals(r) if g["goal"] == HEAD_GOALS["speed"]]
     assert goal["status"] == "missed" and goal["measured"].startswith("1.20x [1.20, 1.20] on equal work")
-    # 2.5 tokens per forward over a round costing a 4-token forward (1.3x) + 3 head steps x 0.05 = 1.45
+    # 2.5 tokens per forward over a round costing a 4-token forward (1.3x) + 3 drafted positions of the head
+    # x 0.05 = 1.45
     assert "2.50 tokens per forward" in goal["note"] and "a 4.00-token forward (1.30x" in goal["note"]
     assert "about 1.45 one-token forwards' time: about 1.72x vanilla expected" in goal["note"]
 

@@ -71,9 +71,9 @@ def test_prompt_lookup_proposes_the_turn_start_and_the_batch_never_drafts_it(
 
     monkeypatch.setattr(Generation, "admissible", spy)
     sd = engine.generate(ids, SamplingParams(max_tokens=40), SpeculativeConfig("sd"), "ngram")
-    steps = list(run_alone(sd))
-    assert len(let_through) == len(steps) and not any(start in tokens for tokens in let_through)
+    rounds = list(run_alone(sd))
+    assert len(let_through) == len(rounds) and not any(start in tokens for tokens in let_through)
     vanilla = engine.generate(ids, SamplingParams(max_tokens=40), SpeculativeConfig("vanilla"), "ngram")
     list(run_alone(vanilla))
     assert [t.token_id for t in sd.tokens] == [t.token_id for t in vanilla.tokens]
-    assert sd.stats.num_draft_tokens > 0 and steps
+    assert sd.stats.num_draft_tokens > 0 and rounds

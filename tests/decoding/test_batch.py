@@ -287,7 +287,7 @@ def test_draft_model_rows_draft_together_and_stay_right(embedded, prompt_ids, al
 
 
 def test_head_and_combined_rows_batch_with_the_others_and_stay_lossless(embedded, prompt_ids, alone):
-    """The trained head drafts for several rows in one step per draft position, each row from its own
+    """The trained head drafts for several rows in one `advance` per drafted position, each row from its own
     hidden state, beside n-gram rows; strict SD stays equal to the alone runs."""
     head = HeadDrafter(embedded, EMBEDDED_HEAD_DIR)
     drafters = {"ngram": NgramDrafter(), "head": head, "combined": CombinedDrafter(NgramDrafter(), head)}

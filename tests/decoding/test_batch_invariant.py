@@ -104,12 +104,12 @@ def chunks_and_one_token_forwards(loaded, prompt: str, chunks: list[int]) -> Non
     model = loaded.model
     with torch.inference_mode(), head_inputs(model) as hidden:
         cache = DynamicCache()
-        step = model(input_ids=torch.tensor([ids]), cache=cache).logits[0, -1]
+        logits = model(input_ids=torch.tensor([ids]), cache=cache).logits[0, -1]
         tokens, single = [], []
         for _ in range(sum(chunks)):
-            tokens.append(int(step.argmax()))
-            step = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache).logits[0, -1]
-            single.append(step.float())
+            tokens.append(int(logits.argmax()))
+            logits = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache).logits[0, -1]
+            single.append(logits.float())
         chunked = DynamicCache()
         model(input_ids=torch.tensor([ids]), cache=chunked)
         rows, first = [], 0

@@ -81,9 +81,9 @@ def test_files_round_trip(words, tmp_path):
     embed, lm_head = words.model.get_input_embeddings().weight, words.model.lm_head.weight
     state, tokens = torch.randn(2, words.model.config.hidden_size), torch.tensor([3, 4])
     with torch.no_grad():
-        steps = [h.bind(embed, lm_head).step(state, tokens) for h in (loaded, original, other)]
-    torch.testing.assert_close(steps[0], steps[1])
-    assert not torch.allclose(steps[0][1], steps[2][1])
+        outputs = [h.bind(embed, lm_head).advance(state, tokens) for h in (loaded, original, other)]
+    torch.testing.assert_close(outputs[0], outputs[1])
+    assert not torch.allclose(outputs[0][1], outputs[2][1])
     assert not any("embed" in k or "lm_rows" in k for k in RecurrentDraftHead.load(folder).state_dict())
 
 
@@ -209,7 +209,7 @@ def test_a_row_stops_drafting_where_the_head_is_unsure(words, head_drafter, monk
     state, last = states.clone(), torch.tensor([3, 3])
     with torch.inference_mode():
         for _ in range(6):
-            state, logits = head_drafter.head.step(state, last)
+            state, logits = head_drafter.head.advance(state, last)
             top_probs, top = torch.softmax(logits, -1).max(-1)
             logits_rows.append(top_probs)
             last = head_drafter.head.draft_vocab[top]

@@ -45,8 +45,8 @@ def cached_logits(model, cache: DynamicCache, ids: list[int]) -> torch.Tensor:
 
 
 def check_target_rollback(model, prompt: list[int], draft: list[int], kept: int, after: list[int]):
-    """The engine's target step: prefill, a forward over a draft, crop to prompt + kept draft tokens, then
-    extend with `after`. Its logits must equal a fresh prefill of the same tokens."""
+    """The target's side of the engine's rounds: prefill, a forward over a draft, crop to prompt + kept draft
+    tokens, then extend with `after`. Its logits must equal a fresh prefill of the same tokens."""
     cache = DynamicCache(config=model.model.config)
     cached_logits(model, cache, prompt)
     cached_logits(model, cache, draft)

@@ -95,7 +95,7 @@ def test_bad_ngram_sizes_are_refused():
 @pytest.mark.parametrize("min_n, max_n", [(1, 1), (2, 4), (1, 5)])
 def test_incremental_index_equals_a_rescan(min_n, max_n):
     """A session that is shown a growing sequence (as the engine does) proposes exactly what a fresh
-    session and the brute-force reference propose from scratch at every step."""
+    session and the brute-force reference propose from scratch for every prefix."""
     rng = random.Random(min_n * 10 + max_n)
     for _ in range(20):
         tokens: list[int] = [rng.randrange(5) for _ in range(rng.randint(1, 6))]

@@ -211,9 +211,9 @@ def test_the_draft_head_drafts_from_8bit_blocks(kernel, embedded):
     state = torch.randn(64, 576, generator=generator)
     tokens = torch.randint(0, 49152, (64,), generator=generator)
     with torch.inference_mode():
-        _, exact = reference.step(state, tokens)
-        _, got = served.step(state, tokens)
-        alone = torch.cat([served.step(state[i : i + 1], tokens[i : i + 1])[1] for i in range(8)])
+        _, exact = reference.advance(state, tokens)
+        _, got = served.advance(state, tokens)
+        alone = torch.cat([served.advance(state[i : i + 1], tokens[i : i + 1])[1] for i in range(8)])
     assert float((got - exact).norm() / exact.norm()) < 0.02
     assert float((got.argmax(-1) == exact.argmax(-1)).float().mean()) >= 0.9
     assert torch.equal(alone, got[:8])

@@ -183,8 +183,8 @@ def test_training_writes_a_head_that_learned_and_loads(words, tmp_path, fused):
     assert held_out_acceptance(words, tmp_path / "again", data)["positions"] > 0
     assert history[-1]["train_accuracy_per_step"][0] > 0.8  # it fits its data
     # The service loads it, and serving feeds it what training did (the same features and token at each
-    # step; an off-by-one would show here): on the prompts it was trained on, its drafts are accepted far
-    # more often than an untrained head's.
+    # drafted position; an off-by-one would show here): on the prompts it was trained on, its drafts are
+    # accepted far more often than an untrained head's.
     train(words, [data], tmp_path / "untrained", TrainConfig(**{**config.__dict__, "epochs": 0}))
     rates = []
     for folder in ("head", "untrained"):
@@ -193,14 +193,14 @@ def test_training_writes_a_head_that_learned_and_loads(words, tmp_path, fused):
         for prompt in prompts[:8]:
             spec = SpeculativeConfig(
                 method="sd", num_speculative_tokens=config.unroll
-            )  # the steps it learned
+            )  # the drafted positions it learned
             g = engine.generate(prompt, SamplingParams(max_tokens=16), spec, "head")
             list(run_alone(g))
             accepted, drafted = accepted + g.stats.num_accepted, drafted + g.stats.num_draft_tokens
         rates.append(accepted / max(1, drafted))
     assert rates[0] > 0.8 > 0.5 > rates[1], rates
     # A head started from another keeps its weights and draft vocabulary; fusion added on top starts as the
-    # identity, so before any step the fused head drafts exactly as the one it started from.
+    # identity, so before any optimizer step the fused head drafts exactly as the one it started from.
     warm = TrainConfig(
         **{**config.__dict__, "epochs": 0, "fuse_layers": True, "init_from": tmp_path / "head"}
     )

@@ -2,14 +2,15 @@
 final hidden state, for every row of a round at once.
 
 Per round: state = the target's hidden state at the position that chose the last committed token (the
-batch hands it over from the previous verification forward), first input = that token; then one head
-step per draft position for all rows together ([rows, hidden] matmuls). No cache, so nothing to roll back.
+batch hands it over from the previous verification forward), first input = that token; then one
+`RecurrentDraftHead.advance` per drafted position for all rows together ([rows, hidden] matmuls). No cache,
+so nothing to roll back.
 
 A row stops drafting early when the head's own survival estimate falls below `MIN_SURVIVAL` (as EAGLE-2's
-drafts grow only where the head is confident), so low-confidence drafts cost neither head steps nor
-verification width. The draft's confidence key for the draft policy is the head's probability of its first draft token,
-bucketed (0: < 0.5, 1: < 0.8, 2: >= 0.8): how far a draft survives depends strongly on it, and the policy
-learns a survival curve per key, as it does per n-gram length.
+drafts grow only where the head is confident), so low-confidence drafts cost neither drafted positions of the
+head nor verification width. The draft's confidence key for the draft policy is the head's probability of its
+first draft token, bucketed (0: < 0.5, 1: < 0.8, 2: >= 0.8): how far a draft survives depends strongly on it,
+and the policy learns a survival curve per key, as it does per n-gram length.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from service.decoding.verification import sampling_probs
 
 CONFIDENCE_BUCKETS = (0.5, 0.8)
 # A row stops drafting once the head's own estimate that all its draft tokens so far survive (the product of
-# its top probabilities) falls below this: each further draft token costs a head step plus a wider target
-# forward (together about a tenth of a round on a CPU), so it must stand a fair chance of being kept.
+# its top probabilities) falls below this: each further draft token costs a drafted position of the head plus
+# a wider target forward (together about a tenth of a round on a CPU), so it must stand a fair chance of being
+# kept.
 MIN_SURVIVAL = 0.2
 
 
@@ -106,7 +108,7 @@ class HeadRows(Stateless):
         first_confidence: list[float] = []
         survival = [1.0] * len(ready)  # the head's own estimate that every token drafted so far is kept
         for position in range(max(limits)):
-            state, logits = head.step(state, last)
+            state, logits = head.advance(state, last)
             if greedy:  # the usual case: one argmax and one softmax for all rows
                 top = logits.argmax(-1)
                 top_probs = torch.softmax(logits.float() / temperature, -1).gather(-1, top[:, None])[:, 0]
