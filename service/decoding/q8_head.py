@@ -83,7 +83,7 @@ def pack_q8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.
     """Q8_0 blocks (q [N, K] int8, scales [N, K / 32] fp32) in `kernels/q8_linear.cpp`'s layout, the N rows
     padded with zeros to a multiple of 8: (w [N', K] int8 in memory order [N' / 8, K / 32, 8, 8, 4]: per group
     of 8 columns and block of 32 weights, eight runs of 32 bytes, column c's 4 bytes of run i its block weights
-    4i..4i + 3; scales and the blocks' weight sums (int32) [N' / 8, K / 32, 8] held as [N', K / 32])."""
+    4i..4i + 3; float16 scales and the blocks' int16 weight sums [N' / 8, K / 32, 8] held as [N', K / 32])."""
     n, k = q.shape
     padded = -(-n // COLUMNS) * COLUMNS
     if padded != n:
@@ -91,8 +91,9 @@ def pack_q8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.
         scales = torch.cat([scales, scales.new_zeros(padded - n, k // BLOCK)])
     # [group, column, block, run i, byte e] -> [group, block, run, column, byte]
     w = q.reshape(padded // COLUMNS, COLUMNS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).reshape(padded, k)
-    sums = q.reshape(padded, k // BLOCK, BLOCK).sum(-1, dtype=torch.int32)
-    return w.contiguous(), interleave(scales.float()), interleave(sums)
+    # float16 scales (Q8_0's own: `quantize_q8` rounds to them) and int16 weight sums (at most 32 x 127)
+    sums = q.reshape(padded, k // BLOCK, BLOCK).sum(-1, dtype=torch.int32).to(torch.int16)
+    return w.contiguous(), interleave(scales.half()), interleave(sums)
 
 
 def interleave(t: torch.Tensor) -> torch.Tensor:

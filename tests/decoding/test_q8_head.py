@@ -68,7 +68,12 @@ def test_weights_that_are_not_8_bit_blocks_are_refused():
 def test_the_packing_holds_every_weight_where_the_kernel_reads_it():
     _, q, scales = q8_weight(13, 96, seed=11)  # 13 rows: padded to 16 with zero rows
     w, packed_scales, sums = pack_q8(q, scales)
-    assert w.dtype == torch.int8 and tuple(w.shape) == (16, 96) and sums.dtype == torch.int32
+    assert (
+        w.dtype == torch.int8
+        and tuple(w.shape) == (16, 96)
+        and sums.dtype == torch.int16
+        and packed_scales.dtype == torch.float16
+    )
     flat = w.reshape(-1)
     for row in (0, 7, 8, 12):
         group, c = divmod(row, 8)
@@ -137,7 +142,7 @@ def test_the_kernel_refuses_what_it_cannot_read(kernel):
     with pytest.raises(RuntimeError, match="padded"):
         kernel(torch.randn(2, 64), w, packed_scales, sums, 9)
     with pytest.raises(RuntimeError, match="sums"):
-        kernel(torch.randn(2, 64), w, packed_scales, sums.float(), 8)
+        kernel(torch.randn(2, 64), w, packed_scales, sums.int(), 8)
 
 
 def test_an_int4_model_serves_the_8_bit_head_with_the_fp32_heads_top_tokens(kernel, dense_fp32):

@@ -13,7 +13,7 @@
 // Weight layout (made by `pack_q8` in q8_head.py): vocabulary rows (output columns) in groups of 8, and per
 // group and block 256 bytes, eight runs of 32: in run i, the 4 bytes of column c (bytes 4c..4c + 3) are the
 // column's block weights 4i..4i + 3. The scales s and the weight sums follow the same order, [N / 8, K / 32,
-// 8]. So one 32-byte run, times a row's 4 activation bytes broadcast to every lane, gives 8 columns' partial
+// 8] (float16 and int16). So one 32-byte run, times a row's 4 activation bytes broadcast to every lane, gives 8 columns' partial
 // dot products at once, one column per 32-bit lane (the 4-bit kernel's layout, int4_linear.cpp).
 //
 // Every output (row r, column n) is computed by the same instructions in the same order whatever the number
@@ -23,6 +23,7 @@
 // need.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -37,6 +38,9 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kColumns = 8;       // columns interleaved in the packed layout (one per 32-bit lane)
 constexpr int64_t kGroupBytes = 256;  // one block of 8 columns
+// a block's scale: float16, as Q8_0 stores it; its weights' sum (at most 32 x 127) an int16: 4 bytes a block of
+// 32 weights beside its 32, where fp32 and int32 took 8
+using Scale = c10::Half;
 
 // A call's activations quantised per block, block-major so that a tile's rows sit side by side for each block:
 // xq [K / 32, R, 32] (int8; offset by 128 as uint8 on the VNNI path), scales a [K / 32, R]. Held in buffers of
@@ -68,7 +72,7 @@ Quantised quantise(const float* x, int64_t rows, int64_t k) {
 
 // T rows (from row r0 of the `rows` quantised) times one group of 8 columns: w, s and sums at the group's start
 template <int T>
-inline void group_rows(const int8_t* __restrict w, const float* __restrict s, const int32_t* __restrict wsum,
+inline void group_rows(const int8_t* __restrict w, const Scale* __restrict s, const int16_t* __restrict wsum,
                        const Quantised& xs, int64_t r0, int64_t rows, int64_t blocks, float* __restrict out,
                        int64_t out_stride, int64_t columns) {
 #if !CSD_VNNI
@@ -86,7 +90,8 @@ inline void group_rows(const int8_t* __restrict w, const float* __restrict s, co
     __m256i chains[T][C];
     // sum (xq + 128) q = sum xq q + 128 sum q: the first chain starts from -128 sum q
     const __m256i start = _mm256_slli_epi32(
-        _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wsum + b * kColumns))),
+        _mm256_sub_epi32(_mm256_setzero_si256(),
+                         _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wsum + b * kColumns)))),
         7);
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
@@ -121,7 +126,7 @@ inline void group_rows(const int8_t* __restrict w, const float* __restrict s, co
     __m256i sums[T];
     csd::sum_chains(chains, sums);
 #endif
-    const __m256 sv = _mm256_loadu_ps(s + b * kColumns);
+    const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b * kColumns)));
     const float* a = xs.scale + b * rows + r0;
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t)
@@ -137,7 +142,7 @@ inline void group_rows(const int8_t* __restrict w, const float* __restrict s, co
 #else  // portable: the same arithmetic, one column at a time
 
 template <int T>
-inline void group_rows(const int8_t* __restrict w, const float* __restrict s, const int32_t* __restrict wsum,
+inline void group_rows(const int8_t* __restrict w, const Scale* __restrict s, const int16_t* __restrict wsum,
                        const Quantised& xs, int64_t r0, int64_t rows, int64_t blocks, float* __restrict out,
                        int64_t out_stride, int64_t columns) {
   (void)wsum;
@@ -149,7 +154,7 @@ inline void group_rows(const int8_t* __restrict w, const float* __restrict s, co
         const int8_t* x = xs.xq + (b * rows + r0 + t) * kBlock;
         int32_t dot = 0;
         for (int i = 0; i < kBlock; ++i) dot += wb[32 * (i / 4) + 4 * j + i % 4] * x[i];
-        y = std::fma(static_cast<float>(dot), s[b * kColumns + j] * xs.scale[b * rows + r0 + t], y);
+        y = std::fma(static_cast<float>(dot), static_cast<float>(s[b * kColumns + j]) * xs.scale[b * rows + r0 + t], y);
       }
       out[t * out_stride + j] = y;
     }
@@ -166,24 +171,24 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const to
   TORCH_CHECK(w.size(1) == k && k % kBlock == 0, "K must be a multiple of 32 and match the weight");
   TORCH_CHECK(padded % kColumns == 0 && n_out > padded - kColumns && n_out <= padded,
               "w's rows: the N outputs padded to a multiple of 8");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == padded * blocks,
-              "scales: contiguous fp32 [N', K / 32]");
-  TORCH_CHECK(sums.scalar_type() == torch::kInt32 && sums.is_contiguous() && sums.numel() == padded * blocks,
-              "sums: contiguous int32 [N', K / 32]");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.numel() == padded * blocks,
+              "scales: contiguous float16 [N', K / 32]");
+  TORCH_CHECK(sums.scalar_type() == torch::kInt16 && sums.is_contiguous() && sums.numel() == padded * blocks,
+              "sums: contiguous int16 [N', K / 32]");
   auto out = torch::empty({rows, n_out}, x.options());
   if (rows == 0) return out;
   const Quantised xs = quantise(x.data_ptr<float>(), rows, k);
   const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const int32_t* up = sums.data_ptr<int32_t>();
+  const Scale* sp = scales.data_ptr<Scale>();
+  const int16_t* up = sums.data_ptr<int16_t>();
   float* op = out.data_ptr<float>();
   // column groups split across threads, every column computed whole by one thread: a row's bits do not depend
   // on the thread count either
   at::parallel_for(0, padded / kColumns, 16, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int8_t* wg = wp + g * blocks * kGroupBytes;
-      const float* sg = sp + g * blocks * kColumns;
-      const int32_t* ug = up + g * blocks * kColumns;
+      const Scale* sg = sp + g * blocks * kColumns;
+      const int16_t* ug = up + g * blocks * kColumns;
       const int64_t columns = std::min<int64_t>(kColumns, n_out - g * kColumns);
       csd::for_each_tile(rows, [&](auto size, int64_t r) {
         constexpr int T = decltype(size)::value;
