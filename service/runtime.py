@@ -243,7 +243,7 @@ def _draft_policy(settings: Settings, target: LoadedModel) -> tuple[DraftPolicy,
         return policy, None
 
     def refine() -> bool:
-        if measurement.step():
+        if measurement.measure_next():
             if policy.forward_costs is None and measurement.single_row_measured:
                 policy.set_costs(measurement.table())  # one row is enough to start deciding
             return True

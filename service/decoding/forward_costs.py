@@ -153,19 +153,19 @@ class CostMeasurement:
         self.forwards = 0  # forwards run so far, timed or not
         self.order: list[tuple[int, int]] = []  # (rows, tokens) of each timed sample, in the order taken
         self.done = False
-        self._steps = self._plan()
+        self._forwards = self._plan()
 
-    def step(self) -> bool:
+    def measure_next(self) -> bool:
         """One forward of the measurement; False when nothing is left to measure."""
         if self.done:
             return False
-        if not next(self._steps, False):
+        if not next(self._forwards, False):
             self.done = True
         return not self.done
 
     def run(self, budget_s: float | None = None) -> CostMeasurement:
         started = time.monotonic()
-        while self.step():
+        while self.measure_next():
             if budget_s is not None and time.monotonic() - started > budget_s:
                 break
         return self

@@ -111,11 +111,11 @@ def test_a_budget_stops_the_measurement_and_slices_finish_it(tiny):
     measurement = CostMeasurement(tiny.model, 4, max_rows=4, context=16, repeats=3).run(budget_s=0)
     assert measurement.forwards == 1 and not measurement.single_row_measured and not measurement.done
     while not measurement.single_row_measured:
-        assert measurement.step()
+        assert measurement.measure_next()
     assert not measurement.complete
     assert sorted(measurement.table().by_rows) == [1]  # usable already: what one request needs
     forwards = measurement.forwards
-    while measurement.step():  # what the engine worker does while idle
+    while measurement.measure_next():  # what the engine worker does while idle
         pass
     assert measurement.done and measurement.complete and measurement.forwards > forwards
     table = measurement.table()
