@@ -96,7 +96,9 @@ struct QuantisedBlock {
 
 #if CSD_AVX2
 
-inline float block_hsum(__m256 v) {  // (s0 + s4) + (s2 + s6) + ((s1 + s5) + (s3 + s7)), as in the loop below
+// the 8 lanes' sum in a fixed tree, (s0 + s4) + (s2 + s6) + ((s1 + s5) + (s3 + s7)), as in the portable loop
+// below (the attention's dot products use it too)
+inline float hsum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
@@ -129,7 +131,7 @@ inline QuantisedBlock quantise_block(const float* x, int8_t* q, int offset) {
   __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-  const float sum = block_hsum(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v0, v1), v2), v3));
+  const float sum = hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v0, v1), v2), v3));
   return QuantisedBlock{amax / 127.f, sum, _mm_cvtsi128_si32(s4)};
 }
 

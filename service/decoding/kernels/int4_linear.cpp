@@ -373,12 +373,6 @@ inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_
 }
 
 #if CSD_AVX2
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 s2 = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-
 // One query (head dim D) over its `count` keys (rows `index` of kb and vb), in order, on AVX2: the query, then
 // the output, held in registers; scores in two accumulators a key, their exponentials in a loop of their own
 // (it vectorises), the values summed key after key. The generic loops below kept their 16 lanes and the output
@@ -401,7 +395,7 @@ void attend_avx2(const float* __restrict qv, const float* __restrict kb, const f
       a0 = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(kv + 8 * j), a0);
       a1 = _mm256_fmadd_ps(q[j + 1], _mm256_loadu_ps(kv + 8 * j + 8), a1);
     }
-    scores[c] = hsum(_mm256_add_ps(a0, a1)) * scale;
+    scores[c] = csd::hsum8(_mm256_add_ps(a0, a1)) * scale;
     top = std::max(top, scores[c]);
   }
   for (int64_t c = 0; c < count; ++c) scores[c] = exp_approx(scores[c] - top);
