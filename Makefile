@@ -20,7 +20,7 @@ $(BIN)/csd: pyproject.toml
 
 setup: $(BIN)/csd
 
-# The suite, then the decoding tests again under a CPU dispatch capped at AVX2: the path (fp32, AVX2
+# The suite, then the decoding and executor tests again under a CPU dispatch capped at AVX2: the path (fp32, AVX2
 # kernels) that AVX2-only CPUs take for a model that is not a 4-bit GGUF, exercised on a CPU with AMX or
 # AVX512-BF16 too, where `--dtype auto` serves bf16 (dense weights: the main run proves int4). Each run
 # prints the CPU and the dispatch it proved the suite on.
@@ -28,7 +28,7 @@ DISPATCH_CAP := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 CSD_WEIGHTS=den
 
 test: setup
 	$(BIN)/python -m pytest -q
-	$(DISPATCH_CAP) $(BIN)/python -m pytest -q tests/decoding
+	$(DISPATCH_CAP) $(BIN)/python -m pytest -q tests/decoding tests/executor
 
 # The unit and API tests without the end-to-end half marked slow (tests/slow_tests.py lists it, with what
 # each costs): for a developer between edits. `make test` (and CI) still runs everything.

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench.workloads import load_workload
-    from service.decoding.models import load_model
+    from service.executor.models import load_model
 
     torch.set_num_threads(args.threads)
     target = load_model("embedded")

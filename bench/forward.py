@@ -154,8 +154,8 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     (packed copies included, each tensor once); embeddings are left out (a forward reads only the rows it
     looks up), and so is an fp32 LM head's tied bf16 `weight`, which its packed copy replaces. An 8-bit head
     (`Q8Head`) counts its packed blocks (weights, scales and weight sums), not the tied fp32 weight."""
-    from service.decoding.batch_invariant import FP32LogitsHead
-    from service.decoding.q8_head import Q8Head
+    from service.executor.batch_invariant import FP32LogitsHead
+    from service.executor.q8_head import Q8Head
 
     head = model.get_output_embeddings()
     seen: set[int] = set()
@@ -208,7 +208,7 @@ class RowBatch:
     `forward(width)` feeds every row its next `width` tokens in one forward and rolls them back."""
 
     def __init__(self, target, stream: Sequence[int], rows: int, context: int, max_width: int) -> None:
-        from service.decoding.batch_kv import BatchKV
+        from service.executor.batch_kv import BatchKV
 
         self.contexts = [max(1, context + ROW_OFFSETS[b % len(ROW_OFFSETS)]) for b in range(rows)]
         need = max(self.contexts) + max_width
@@ -416,7 +416,7 @@ def run_forward_bench(
     log: Callable[[str], None] = lambda _: None,
 ) -> dict:
     """The whole measurement, one format loaded at a time (each freed before the next)."""
-    from service.decoding.cpu_kernels import default_cpu_dtype, has_native_bf16
+    from service.executor.cpu_kernels import default_cpu_dtype, has_native_bf16
 
     started = time.perf_counter()
     log("memory bandwidth")

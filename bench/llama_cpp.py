@@ -148,7 +148,7 @@ def run(workloads: list[str], limit: int, max_tokens: int, threads: int, weights
     import torch
 
     from bench.workloads import load_workload
-    from service.decoding.paths import resolve_model_spec
+    from service.executor.paths import resolve_model_spec
 
     started = time.perf_counter()
     _, gguf, _ = resolve_model_spec("embedded")

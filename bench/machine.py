@@ -83,7 +83,7 @@ def start_run(module: str, argv: list[str], threads: int) -> tuple[str, str]:
     prints and returns (the command that reproduces the run, the machine line: CPU, kernels, software)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from service.decoding.cpu_kernels import simd_summary
+    from service.executor.cpu_kernels import simd_summary
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

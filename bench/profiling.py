@@ -19,7 +19,7 @@ from bench.runners import MethodSpec
 from bench.workloads import load_workload
 from service.decoding import Method, SamplingParams
 from service.decoding.drafters import DraftRow
-from service.decoding.kv_cache import crop_cache
+from service.executor.kv_cache import crop_cache
 
 SD = MethodSpec("sd", "engine", Method.SD, "ngram")
 

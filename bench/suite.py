@@ -33,7 +33,7 @@ from bench.metrics import (
 from bench.runners import MethodSpec, RunOutput
 from bench.workloads import Prompt, answer_in_output, last_number_is, load_workload, truncate_completion
 from service.decoding import Method
-from service.decoding.fact_guard import changes_fact
+from service.decoding.fact_guard import changes_fact, model_special_ids
 
 FACT_CLASSES = ("number", "negation", "name")
 OUTPUT_FACT_CLASSES = ("number", "date", "name")
@@ -313,7 +313,7 @@ def rescued_examples(
     (formatting, punctuation, spelling, connectives) against other words (synonyms or content changes), and
     the rescues that crossed a special token (the turn guard's concern)."""
     decode = bench.target.tokenizer.decode
-    special = bench.target.special_token_ids
+    special = model_special_ids(bench.target)
     out: dict[str, dict] = {}
     for spec in specs:
         if spec.method is not Method.CSD:

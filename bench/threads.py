@@ -62,7 +62,7 @@ def child(threads: int | None, max_tokens: int, requests: int, hold: bool) -> di
     """One configuration, in this process: the service's start-up thread choice, then `requests` + 1
     requests (the first warms up; with `hold`, the process then says "warm" and waits for a line on stdin,
     while the parent starts the competitors). Returns what the parent reports."""
-    from service.decoding.threads import prepare_wait_policy
+    from service.executor.threads import prepare_wait_policy
 
     prepare_wait_policy(threads)  # what `csd`'s main does first; a no-op where OMP_WAIT_POLICY is set
     import torch
@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from bench.machine import describe, one_line
-    from service.decoding.cpu_kernels import simd_summary
-    from service.decoding.threads import choose_threads
+    from service.executor.cpu_kernels import simd_summary
+    from service.executor.threads import choose_threads
 
     usable = choose_threads(None).usable_cpus
     machine = f"{one_line(describe())}; cpu flags: {simd_summary()}; {usable} usable CPUs"

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from service.decoding.draft_head import EMBEDDED_HEAD_DIR
-    from service.decoding.models import load_model
+    from service.executor.models import load_model
     from training.traffic import fine_tune, fine_tune_config
 
     torch.set_num_threads(args.threads)

@@ -11,8 +11,8 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.decoding.drafter_registry import DrafterName, describe_drafters, drafter_entry
-from service.decoding.paths import default_cache_dir
 from service.decoding.types import Method, SpeculativeConfig
+from service.executor.paths import default_cache_dir
 
 ToolCallParserName = Literal["hermes"]
 

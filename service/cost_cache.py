@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from service.decoding import native
-from service.decoding.forward_costs import CONTEXT, MEASUREMENT_VERSION, ForwardCosts, row_counts
-from service.decoding.models import LoadedModel
+from service.executor import native
+from service.executor.forward_costs import CONTEXT, MEASUREMENT_VERSION, ForwardCosts, row_counts
+from service.executor.models import LoadedModel
 
 log = logging.getLogger(__name__)
 

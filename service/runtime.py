@@ -30,13 +30,13 @@ from service.decoding import (
     load_model,
     vocabulary_hash,
 )
-from service.decoding.batch_kv import supports_batching
 from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.drafter_registry import DrafterInputs, build_drafters, drafter_entry
 from service.decoding.drafters.suffix import SuffixDrafter
-from service.decoding.forward_costs import CostMeasurement
 from service.decoding.prefix_cache import PrefixCache, default_max_bytes, prefix_caching_unsupported
-from service.decoding.threads import (
+from service.executor.batch_kv import supports_batching
+from service.executor.forward_costs import CostMeasurement
+from service.executor.threads import (
     ThreadChoice,
     ThreadGovernor,
     choose_threads,

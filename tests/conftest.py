@@ -17,22 +17,22 @@ from tokenizers.models import WordLevel  # noqa: E402
 from tokenizers.pre_tokenizers import WhitespaceSplit  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
-from service.decoding.models import LoadedModel, load_model  # noqa: E402
+from service.executor.models import LoadedModel, load_model  # noqa: E402
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Print the CPU the run proves the suite on (also under -q): kernels, and so the decoding paths, differ
     by CPU kind, and a result holds for the kind it ran on."""
     from service.cost_cache import cpu_name
-    from service.decoding.cpu_kernels import default_cpu_dtype, simd_summary
+    from service.executor.cpu_kernels import default_cpu_dtype, simd_summary
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return
     dtype = str(default_cpu_dtype()).removeprefix("torch.")
     reporter.write_line(f"cpu: {cpu_name()}, {len(os.sched_getaffinity(0))} usable cores")
-    from service.decoding.int4_weights import gguf_is_4bit, int4_supported
-    from service.decoding.paths import embedded_gguf_path
+    from service.executor.int4_weights import gguf_is_4bit, int4_supported
+    from service.executor.paths import embedded_gguf_path
 
     four_bit = int4_supported() and gguf_is_4bit(embedded_gguf_path())
     weights = os.environ.get("CSD_WEIGHTS", "auto")
@@ -42,8 +42,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # test starts a server whose readiness wait would otherwise pay for them
     import time
 
-    from service.decoding import native
-    from service.decoding.q8_head import q8_kernel
+    from service.executor import native
+    from service.executor.q8_head import q8_kernel
 
     started = time.monotonic()
     built = q8_kernel() is not None
@@ -55,7 +55,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     int4 = native.build("int4_linear")
     state = f"ready ({int4.isa()})" if int4 is not None else "unavailable (torch's int4 kernel, eager layers)"
     reporter.write_line(f"4-bit layer kernel: {state} in {time.monotonic() - started:.1f} s")
-    from service.decoding.models import auto_cpu_dtype
+    from service.executor.models import auto_cpu_dtype
 
     body = str(auto_cpu_dtype(weights)).removeprefix("torch.")
     reporter.write_line(f"the embedded model: {weights} weights in a {body} body")

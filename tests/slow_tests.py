@@ -32,10 +32,10 @@ SLOW: dict[str, str] = {
     "tests/decoding/test_statistics.py": "every method x drafter x way to end, through the engine: 146 s",
     "tests/decoding/test_processing.py": "penalties, bias and logprobs against fresh forwards: 111 s",
     "tests/decoding/test_sampling_distribution.py": "chi-square over 1000 seeded samples per case: 30 s",
-    "tests/decoding/test_forward_costs.py::test_a_load_burst_does_not_change_the_policy_decisions": (
+    "tests/executor/test_forward_costs.py::test_a_load_burst_does_not_change_the_policy_decisions": (
         "busy processes started beside forwards: 15 s"
     ),
-    "tests/decoding/test_models.py::test_packed_cpu_weights_give_the_default_kernels_logits": "10 s",
+    "tests/executor/test_models.py::test_packed_cpu_weights_give_the_default_kernels_logits": "10 s",
     "tests/decoding/test_suffix_drafter.py::test_strict_sd_with_the_suffix_drafter_is_vanilla_token_for_token": (
         "vanilla and sd over three prompts, twice, per drafter: 25-30 s each"
     ),

@@ -1,5 +1,6 @@
-"""The decoding core imports torch and transformers only: no web framework, Redis, metrics or settings, and
-nothing of the service or the OCM store (they meet it through its small interfaces)."""
+"""The decoding core and its executor import torch and transformers only: no web framework, Redis, metrics or
+settings, and nothing of the service or the OCM store (they meet them through their small interfaces). The
+executor sits below the model boundary: it knows nothing of drafters, verification or the generation loop."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "service" / "decoding"
+EXECUTOR = ROOT / "service" / "executor"
+CORE_PACKAGES = ("service.decoding", "service.executor")
 # named for the failure message; the rule itself is the allow-list below
 FORBIDDEN = (
     "fastapi",
@@ -47,8 +50,8 @@ def test_core_sources_import_only_stdlib_torch_transformers_and_the_core():
     """Every import statement of every core module (also those inside functions and TYPE_CHECKING blocks),
     read from the source. Since a core module may import only the standard library, torch, transformers
     and other core modules, nothing of the service can reach the core indirectly either."""
-    files = sorted(CORE.rglob("*.py"))
-    assert len(files) > 5 and CORE / "drafters" / "head.py" in files
+    files = sorted([*CORE.rglob("*.py"), *EXECUTOR.rglob("*.py")])
+    assert len(files) > 5 and CORE / "drafters" / "head.py" in files and EXECUTOR / "models.py" in files
     for path in files:
         for name in imported_modules(path):
             top = name.split(".")[0]
@@ -58,10 +61,20 @@ def test_core_sources_import_only_stdlib_torch_transformers_and_the_core():
             allowed = (
                 top in sys.stdlib_module_names
                 or top in ALLOWED_THIRD_PARTY
-                or name == "service.decoding"
-                or name.startswith("service.decoding.")
+                or any(name == p or name.startswith(p + ".") for p in CORE_PACKAGES)
             )
             assert allowed, f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_the_executor_knows_nothing_above_the_model_boundary():
+    """A new executor must not change drafters, verification or batching, so the executor imports none of
+    them: of the decoding core only `types`, for the one error type (`DecodingError`) the API maps to a 400."""
+    files = sorted(EXECUTOR.rglob("*.py"))
+    assert EXECUTOR / "kv_cache.py" in files
+    for path in files:
+        for name in imported_modules(path):
+            if name == "service.decoding" or name.startswith("service.decoding."):
+                assert name == "service.decoding.types", f"{path.relative_to(ROOT)} imports {name}"
 
 
 def core_module(path: Path) -> str:
@@ -73,14 +86,15 @@ def test_core_modules_import_each_other_without_a_cycle():
     """Every import between core modules (also lazy ones inside functions; TYPE_CHECKING ones too) goes one
     way: the round reads top to bottom through generation -> batch -> engine, drafters below them. The
     package's own `__init__` only re-exports, lazily, so it is left out."""
-    modules = {core_module(p): p for p in CORE.rglob("*.py") if p.name != "__init__.py"}
+    paths = [*CORE.rglob("*.py"), *EXECUTOR.rglob("*.py")]
+    modules = {core_module(p): p for p in paths if p.name != "__init__.py"}
     graph = {
         name: {m for m in imported_modules(path) if m in modules and m != name}
         for name, path in modules.items()
     }
     for name, path in modules.items():  # importing a subpackage (`drafters`) imports its modules
         for imported in imported_modules(path):
-            if ROOT.joinpath(*imported.split(".")).is_dir() and imported != "service.decoding":
+            if ROOT.joinpath(*imported.split(".")).is_dir() and imported not in CORE_PACKAGES:
                 graph[name] |= {m for m in modules if m.startswith(imported + ".")}
     done: set[str] = set()
 
@@ -96,13 +110,14 @@ def test_core_modules_import_each_other_without_a_cycle():
         visit(name, [])
     assert "service.decoding.batch" in graph["service.decoding.engine"]
     assert "service.decoding.engine" not in graph["service.decoding.batch"]
+    assert "service.executor.models" in graph["service.decoding.engine"]
 
 
 def test_the_cli_and_settings_import_without_torch():
     """The CLI refuses bad arguments before the ~10 s import of torch and transformers: the modules it
     needs for that (settings, the core's plain types and paths) must stay light."""
     code = (
-        "import json, sys, service.cli, service.config, service.decoding.types, service.decoding.paths; "
+        "import json, sys, service.cli, service.config, service.decoding.types, service.executor.paths; "
         "print(json.dumps(sorted(sys.modules)))"
     )
     out = subprocess.run(

@@ -35,7 +35,14 @@ def test_not_slow_is_a_real_subset_of_every_layer():
     assert 0 < selected < total
     assert not [i for i in fast if slow_key(i)], "a listed test was not deselected"
     # unit and API tests of every layer stay in the fast run
-    for folder in ("tests/api/", "tests/decoding/", "tests/service/", "tests/ocm_store/", "tests/deploy/"):
+    for folder in (
+        "tests/api/",
+        "tests/decoding/",
+        "tests/executor/",
+        "tests/service/",
+        "tests/ocm_store/",
+        "tests/deploy/",
+    ):
         assert sum(i.startswith(folder) for i in fast) >= 5, folder
     for core in (
         "tests/decoding/test_lossless.py::",

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from service.decoding.models import load_model
+    from service.executor.models import load_model
     from training.features import shard_features
     from training.magpie import CorpusConfig, build_corpus, read_shard
     from training.overlap import bench_ngrams

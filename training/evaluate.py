@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     from service.decoding.draft_head import RecurrentDraftHead
-    from service.decoding.models import load_model
+    from service.executor.models import load_model
     from training import unseen
     from training.train_head import TrainConfig, _positions, evaluate, load_data
 

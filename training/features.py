@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from service.decoding.models import LoadedModel
+from service.executor.models import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from service.decoding.models import LoadedModel
 from service.decoding.text import encode_chat
+from service.executor.models import LoadedModel
 from training.overlap import overlaps
 from training.sampling import decode_batch
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from service.decoding.models import LoadedModel
+from service.executor.models import LoadedModel
 
 
 @torch.inference_mode()

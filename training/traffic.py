@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from service.traffic import read_traffic
 
 if TYPE_CHECKING:  # torch and the models load after the arguments are read (`--help` stays fast)
-    from service.decoding.models import LoadedModel
+    from service.executor.models import LoadedModel
     from training.train_head import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def main(args: argparse.Namespace) -> dict:
     import torch
 
     from service.decoding.draft_head import EMBEDDED_HEAD_DIR
-    from service.decoding.models import load_model
+    from service.executor.models import load_model
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.decoding.draft_head import DraftHeadConfig, RecurrentDraftHead
-from service.decoding.models import LoadedModel, vocabulary_hash
+from service.executor.models import LoadedModel, vocabulary_hash
 from training.features import feature_layers
 
 log = logging.getLogger(__name__)

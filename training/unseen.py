@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the models load after `python -m training` has read its arguments (`--help` stays fast)
-    from service.decoding.models import LoadedModel
+    from service.executor.models import LoadedModel
 
 CALIBRATION_SETS = ("calibration-chat", "calibration")
 EVALUATION_SETS = ("chat", "grounded")

@@ -41,6 +41,7 @@ from service.decoding import (
     SpeculativeConfig,
 )
 from service.decoding.drafter_registry import drafter_entry
+from service.decoding.grammar import model_grammar
 from service.decoding.text import encode_chat, encode_prompt
 from service.runtime import Runtime
 
@@ -294,7 +295,7 @@ async def _constraint(body: CompletionRequest | ChatCompletionRequest, runtime: 
 async def checked(constraint: Constraint, runtime: Runtime, param: str, what: str = "") -> Constraint:
     """The constraint, once the grammar engine compiled it (a 400 naming `param` if it cannot)."""
     try:  # compiling a large schema takes a while: off the event loop
-        await run_in_threadpool(runtime.target.grammar.check, constraint)
+        await run_in_threadpool(model_grammar(runtime.target).check, constraint)
     except DecodingError as exc:
         raise bad_request(f"{what}{exc}", param=param, code=INVALID_GRAMMAR) from None
     return constraint

@@ -28,8 +28,8 @@ from service.api.metrics import OCMStoreCollector, ServiceMetrics
 from service.api.worker import EngineWorker
 from service.config import Settings
 from service.decoding import DecodingError, Method, SamplingParams, SpeculativeConfig
-from service.decoding.paths import model_display_name
 from service.decoding.text import encode_prompt
+from service.executor.paths import model_display_name
 from service.runtime import Runtime
 from service.traffic import TrafficCollector, TrafficRecorder
 

@@ -116,7 +116,7 @@ def settings_from_args(args: argparse.Namespace):  # -> Settings
 
 
 def build_runtime(args: argparse.Namespace, **overrides):
-    from service.decoding.paths import check_model_spec
+    from service.executor.paths import check_model_spec
 
     settings = settings_from_args(args).model_copy(update=overrides)
     for spec in (settings.model, settings.draft_model):

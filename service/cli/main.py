@@ -10,8 +10,8 @@ import sys
 from ocm_store.base import OCMStoreError
 from service.cli import calibrate, generate, ocm, serve
 from service.cli.common import EXIT_USAGE, LOG_LEVELS, CLIError
-from service.decoding.threads import prepare_wait_policy
 from service.decoding.types import DecodingError
+from service.executor.threads import prepare_wait_policy
 from service.log_format import configure_root
 
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_root(log_level)
     args = build_parser().parse_args(argv)
     if hasattr(args, "torch_threads"):  # a command that runs a model (the others never load torch)
-        # before anything loads torch's OpenMP, which reads its wait policy once (service/decoding/threads.py)
+        # before anything loads torch's OpenMP, which reads its wait policy once (service/executor/threads.py)
         prepare_wait_policy(_requested_threads(args))
     if getattr(args, "lambda_", None) is not None and math.isnan(args.lambda_):
         print("csd: error: lambda must be a number >= 0", file=sys.stderr)

@@ -74,7 +74,7 @@ def _decoder(args: argparse.Namespace):
     try:
         settings = settings_from_args(args)
         quiet_libraries()
-        from service.decoding.models import load_tokenizer_for_display
+        from service.executor.models import load_tokenizer_for_display
 
         return load_tokenizer_for_display(settings.model, settings.cache_dir)
     except Exception:  # display only: fall back to ids

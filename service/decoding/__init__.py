@@ -1,13 +1,14 @@
-"""The decoding core: models, drafters, verification rules and the generation loop.
+"""The decoding core: drafters, verification rules, the draft policy and the generation loop.
 
-Imports torch and transformers only; the service and the OCM store meet it through `CorrectionMemory`
+It runs the models through `service.executor` (loading, kernels, KV layout, forward costs) and re-exports
+its loading entry points. Imports torch and transformers only; the service and the OCM store meet it through `CorrectionMemory`
 and the plain dataclasses in `types`.
 """
 
 import importlib
 from typing import TYPE_CHECKING
 
-# Exports resolve lazily (PEP 562): `service.decoding.types` and `.paths` are imported by the settings and
+# Exports resolve lazily (PEP 562): `service.decoding.types` and `service.executor.paths` are imported by the settings and
 # the CLI, which must not pay torch's import time for `csd ocm stats`.
 _EXPORTS = {
     "Batch": "batch",
@@ -20,10 +21,10 @@ _EXPORTS = {
     "Engine": "engine",
     "run_alone": "engine",
     "Generation": "generation",
-    "LoadedModel": "models",
-    "check_same_vocabulary": "models",
-    "load_model": "models",
-    "vocabulary_hash": "models",
+    "LoadedModel": "service.executor.models",
+    "check_same_vocabulary": "service.executor.models",
+    "load_model": "service.executor.models",
+    "vocabulary_hash": "service.executor.models",
     "Constraint": "types",
     "ConstraintKind": "types",
     "DecodingError": "types",
@@ -43,7 +44,9 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'service.decoding' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"service.decoding.{module}"), name)
+    if "." not in module:
+        module = f"service.decoding.{module}"
+    return getattr(importlib.import_module(module), name)
 
 
 if TYPE_CHECKING:
@@ -52,7 +55,6 @@ if TYPE_CHECKING:
     from service.decoding.drafters import CombinedDrafter, Drafter, HeadDrafter, ModelDrafter, NgramDrafter
     from service.decoding.engine import Engine, run_alone
     from service.decoding.generation import Generation
-    from service.decoding.models import LoadedModel, check_same_vocabulary, load_model, vocabulary_hash
     from service.decoding.types import (
         Constraint,
         ConstraintKind,
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
         SpeculativeConfig,
     )
     from service.decoding.verification import CorrectionMemory
+    from service.executor.models import LoadedModel, check_same_vocabulary, load_model, vocabulary_hash
 
 __all__ = [
     "Batch",

@@ -32,13 +32,13 @@ import time
 
 import torch
 
-from service.decoding import threads
-from service.decoding.batch_kv import BatchKV
 from service.decoding.draft_policy import DraftPolicy, RowOffer
 from service.decoding.drafters.base import BatchDrafter, Draft, DraftRow
 from service.decoding.generation import Generation
-from service.decoding.models import LoadedModel
 from service.decoding.types import DecodingError, GenerationRound
+from service.executor import threads
+from service.executor.batch_kv import BatchKV
+from service.executor.models import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class Batch:
     def step(self) -> list[tuple[Generation, GenerationRound]]:
         """One prefill chunk (if a sequence is joining) and one decoding round (if any is running)."""
         self.failed = []
-        threads.tick()  # the model thread follows the idle CPUs (service/decoding/threads.py)
+        threads.tick()  # the model thread follows the idle CPUs (service/executor/threads.py)
         with torch.inference_mode():
             self._prefill_chunk()
             if not self.running:

@@ -148,7 +148,7 @@ class RecurrentDraftHead(nn.Module):
         quantised (~0.2 % of a block's largest weight). Only where the kernel builds, on the CPU, in fp32,
         after `bind()`, and every layer's input a multiple of 32; returns whether it did. Serving only:
         training keeps the fp32 module."""
-        from service.decoding.q8_head import BLOCK, Q8Linear, Q8Matrix, q8_kernel, quantize_q8
+        from service.executor.q8_head import BLOCK, Q8Linear, Q8Matrix, q8_kernel, quantize_q8
 
         linears = [block.up for block in (self.mix, *self.mlps)] + [
             block.down for block in (self.mix, *self.mlps)

@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # measure_forward_costs is re-exported: callers (bench) know it from here
-from service.decoding.forward_costs import ForwardCosts, measure_forward_costs  # noqa: F401
+from service.executor.forward_costs import ForwardCosts, measure_forward_costs  # noqa: F401
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from service.decoding.drafters.base import Drafter
     from service.decoding.drafters.head import HeadDrafter
-    from service.decoding.models import LoadedModel
+    from service.executor.models import LoadedModel
 
 
 @dataclass

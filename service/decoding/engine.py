@@ -26,7 +26,6 @@ from service.decoding.batch import DEFAULT_MAX_BATCHED_TOKENS, Batch
 from service.decoding.draft_policy import DraftPolicy
 from service.decoding.drafters.base import Drafter
 from service.decoding.generation import Generation
-from service.decoding.models import LoadedModel
 from service.decoding.prefix_cache import PrefixCache, prefix_caching_unsupported
 from service.decoding.requests import (
     ChoiceTiming,
@@ -52,6 +51,7 @@ from service.decoding.types import (
     SpeculativeConfig,
 )
 from service.decoding.verification import CorrectionMemory
+from service.executor.models import LoadedModel
 
 log = logging.getLogger(__name__)
 

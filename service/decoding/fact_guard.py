@@ -30,6 +30,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from service.executor.models import LoadedModel
 
 NUMBER_WORDS = frozenset(
     [
@@ -435,6 +439,19 @@ def token_classes(tokenizer, vocab_size: int = 0, special: Sequence[int] = ()) -
         if 0 <= token_id < len(flags):
             flags[token_id] = SPECIAL
     return TokenClasses(bytes(flags))
+
+
+def model_token_classes(target: LoadedModel) -> TokenClasses:
+    """`token_classes` of a loaded model's vocabulary (its EOS ids special), built once and kept with it."""
+    return target.memo(
+        "token_classes",
+        lambda: token_classes(target.tokenizer, target.vocab_size, sorted(target.eos_token_ids())),
+    )
+
+
+def model_special_ids(target: LoadedModel) -> frozenset[int]:
+    """Special tokens (end of turn, end of text, chat markers) and the model's EOS ids: the turn guard's."""
+    return target.memo("special_ids", lambda: model_token_classes(target).special_ids)
 
 
 # ---------------------------------------------------------------- the guard

@@ -30,8 +30,8 @@ import torch
 
 from service.decoding.draft_policy import DraftPolicy, RowAcceptance
 from service.decoding.drafters.base import Draft, Drafter, DraftRow
-from service.decoding.fact_guard import fact_refusal
-from service.decoding.models import LoadedModel
+from service.decoding.fact_guard import fact_refusal, model_special_ids, model_token_classes
+from service.decoding.grammar import model_grammar
 from service.decoding.prefix_cache import PrefixCache
 from service.decoding.processing import LogitsProcessing
 from service.decoding.scoring import top_logprobs
@@ -57,6 +57,7 @@ from service.decoding.verification import (
     verify_greedy,
     verify_sampling,
 )
+from service.executor.models import LoadedModel
 
 # The draft policy's key for drafts the grammar forced (jump-forward): their survival is learnt apart from
 # the drafter's own guesses.
@@ -69,9 +70,9 @@ def rescue_guards(spec: SpeculativeConfig, target: LoadedModel) -> list[RescueGu
     (`spec.guard_turns`) and the context fact guard (`spec.guard_facts`)."""
     guards: list[RescueGuard] = []
     if spec.guard_turns:
-        guards.append(turn_guard(target.special_token_ids))
+        guards.append(turn_guard(model_special_ids(target)))
     if spec.guard_facts:
-        guards.append(functools.partial(fact_refusal, target.token_classes))
+        guards.append(functools.partial(fact_refusal, model_token_classes(target)))
     return guards
 
 
@@ -147,14 +148,14 @@ class Generation:
             sampling.stop_token_ids
         )
         # special tokens that do not end the generation (a chat template's turn start): never drafted
-        self._unending_specials = target.special_token_ids - self.eos_ids
+        self._unending_specials = model_special_ids(target) - self.eos_ids
         vocab = target.vocab_size
         if any(not 0 <= t < vocab for t, _ in sampling.logit_bias) or any(
             not 0 <= t < vocab for t in sampling.stop_token_ids
         ):
             raise DecodingError(f"token ids must be in [0, {vocab}) for this model")
         self.processing = LogitsProcessing(sampling, self.prompt_ids, self.eos_ids, vocab, target.device)
-        self.grammar = target.grammar.matcher(sampling.constraint) if sampling.constraint else None
+        self.grammar = model_grammar(target).matcher(sampling.constraint) if sampling.constraint else None
         self._allowed: torch.Tensor | None = None  # this round's grammar masks, from `constrain`
         self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
         self.tokens: list[EmittedToken] = []

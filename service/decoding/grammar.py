@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
@@ -33,6 +34,9 @@ from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 from transformers import PreTrainedTokenizerBase
 
 from service.decoding.types import Constraint, ConstraintKind, DecodingError
+
+if TYPE_CHECKING:
+    from service.executor.models import LoadedModel
 
 # Compact JSON with json.dumps' separators: what small models write most readily, and no room for runaway
 # whitespace (the default "flexible" whitespace lets a weak model emit newlines until max_tokens).
@@ -88,6 +92,14 @@ def closed_objects(schema: object) -> object:
     ):
         out["additionalProperties"] = False
     return out
+
+
+def model_grammar(target: LoadedModel) -> GrammarCompiler:
+    """The grammar engine's view of a loaded model's tokenizer, built once and kept with the model."""
+    return target.memo(
+        "grammar",
+        lambda: GrammarCompiler(target.tokenizer, target.vocab_size, sorted(target.eos_token_ids())),
+    )
 
 
 class GrammarCompiler:

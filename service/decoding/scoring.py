@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from service.decoding.models import LoadedModel
+from service.executor.models import LoadedModel
 
 CHUNK = 256
 

@@ -255,7 +255,7 @@ def test_penalties_change_the_output_and_sd_stays_equal_to_vanilla(client, model
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from service.decoding.models import load_tokenizer_for_display
+    from service.executor.models import load_tokenizer_for_display
 
     return load_tokenizer_for_display("embedded")
 

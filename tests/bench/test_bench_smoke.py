@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.decoding.int4_weights import int4_supported
-from service.decoding.models import auto_cpu_dtype
+from service.executor.int4_weights import int4_supported
+from service.executor.models import auto_cpu_dtype
 
 REPO = Path(__file__).resolve().parents[2]
 ROW_FIELDS = {

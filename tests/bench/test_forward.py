@@ -18,7 +18,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from bench import forward
 from bench.forward_report import forward_markdown, forward_table
 from service.decoding import LoadedModel
-from service.decoding.q8_head import q8_kernel
+from service.executor.q8_head import q8_kernel
 
 REPO = Path(__file__).resolve().parents[2]
 

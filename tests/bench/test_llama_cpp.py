@@ -74,8 +74,8 @@ def test_bad_options_exit_2_with_one_line(argv, capsys):
 
 @pytest.mark.skipif(peer_missing() is not None, reason=f"the llama.cpp peer is absent: {peer_missing()}")
 def test_the_real_peer_decodes_our_token_ids_and_its_lookup_drafts(embedded):
-    from service.decoding.paths import embedded_gguf_path
     from service.decoding.text import encode_chat
+    from service.executor.paths import embedded_gguf_path
 
     text = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog"
     ids = encode_chat(embedded.tokenizer, [{"role": "user", "content": text}])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench import weight_quality
-from service.decoding.models import auto_cpu_dtype
+from service.executor.models import auto_cpu_dtype
 
 
 def test_a_real_run_scores_int4_against_fp32(embedded):

@@ -21,7 +21,6 @@ from service.decoding import (
     NgramDrafter,
     SamplingParams,
     SpeculativeConfig,
-    batch_kv,
     run_alone,
 )
 from service.decoding.batch import MIN_PREFILL_CHUNK, Batch
@@ -29,6 +28,7 @@ from service.decoding.draft_head import EMBEDDED_HEAD_DIR
 from service.decoding.draft_policy import DraftPolicy
 from service.decoding.text import encode_chat
 from service.decoding.types import DecodingError
+from service.executor import batch_kv
 from tests.decoding.test_lossless import assert_same_tokens
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -232,7 +232,7 @@ def test_speculation_stays_on_at_16_rows_where_forwards_are_overhead_bound():
 def padded_and_solo_logits(target, a: list[int], b: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """b's logits (from its 6th token on) as the second row of a batch with a, left-padded to a's width, and
     alone in one forward."""
-    from service.decoding.batch_kv import BatchKV
+    from service.executor.batch_kv import BatchKV
 
     with torch.inference_mode():
         solo = target.model(input_ids=torch.tensor([b])).logits[0].float()
@@ -369,7 +369,7 @@ def test_models_with_sliding_window_layers_are_not_batched(embedded):
     a time (and says so in the log); full-attention models batch."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from service.decoding.batch_kv import supports_batching
+    from service.executor.batch_kv import supports_batching
 
     tiny_mistral = MistralForCausalLM(
         MistralConfig(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service.decoding.draft_policy import DraftPolicy, RowAcceptance, RowOffer, measure_forward_costs
-from service.decoding.forward_costs import ForwardCosts
+from service.executor.forward_costs import ForwardCosts
 
 # a CPU-like cost table: any draft token costs a lot, more of them little more
 CPU_COSTS = [1.0, 1.8, 1.9, 2.0, 2.0, 2.1, 2.1]

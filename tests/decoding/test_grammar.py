@@ -16,6 +16,7 @@ from service.decoding import (
     SpeculativeConfig,
 )
 from service.decoding.engine import run_to_end
+from service.decoding.grammar import model_grammar
 from service.decoding.processing import LogitsProcessing
 from service.decoding.text import encode_chat
 from service.decoding.types import DecodingError, Provenance
@@ -59,7 +60,7 @@ def generate(engine, ids, method, constraint, max_tokens=96, **kw):
 
 def test_check_draft_cuts_at_the_first_forbidden_token_and_leaves_the_matcher_as_it_was(embedded):
     tok = embedded.tokenizer
-    matcher = embedded.grammar.matcher(Constraint(ConstraintKind.JSON_SCHEMA, PERSON))
+    matcher = model_grammar(embedded).matcher(Constraint(ConstraintKind.JSON_SCHEMA, PERSON))
     good = tok.encode('{"name": "Ada", "age": 36', add_special_tokens=False)
     bad = tok.encode("hello", add_special_tokens=False)
     valid, masks = matcher.check_draft(good + bad + good)
@@ -169,7 +170,7 @@ def test_csd_never_rescues_a_token_the_grammar_forbids():
 )
 def test_invalid_constraints_are_user_errors(embedded, constraint):
     with pytest.raises(DecodingError):
-        embedded.grammar.check(constraint)
+        model_grammar(embedded).check(constraint)
 
 
 def test_objects_that_list_their_properties_are_closed_unless_they_say_otherwise():
@@ -201,7 +202,7 @@ def test_a_pydantic_style_schema_cannot_grow_invented_keys(embedded):
         "properties": {"n": {"type": "integer"}},
         "required": ["n"],
     }  # says nothing more
-    matcher = embedded.grammar.matcher(Constraint(ConstraintKind.JSON_SCHEMA, schema))
+    matcher = model_grammar(embedded).matcher(Constraint(ConstraintKind.JSON_SCHEMA, schema))
     draft = tok.encode('{"n": 1, "', add_special_tokens=False)
     valid, _ = matcher.check_draft(draft)
     assert valid < len(draft)  # after the one property, only the closing brace

@@ -234,7 +234,7 @@ def test_unsupported_models_refuse_with_a_reason(embedded):
     )
     reason = prefix_caching_unsupported(sliding)
     assert reason and "sliding" in reason
-    from service.decoding.models import LoadedModel
+    from service.executor.models import LoadedModel
 
     loaded = LoadedModel(name="sliding", model=sliding, tokenizer=embedded.tokenizer, revision="0")
     with pytest.raises(DecodingError, match="sliding"):

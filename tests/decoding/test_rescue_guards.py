@@ -10,7 +10,7 @@ import torch
 
 from ocm_store import InMemoryStore, Namespace
 from service.decoding import Engine, ModelDrafter, SamplingParams, SpeculativeConfig, run_alone
-from service.decoding.fact_guard import TokenClasses, fact_refusal
+from service.decoding.fact_guard import TokenClasses, fact_refusal, model_special_ids, model_token_classes
 from service.decoding.types import Provenance
 from service.decoding.verification import calibrated_rule, turn_guard, verify_greedy
 from tests.conftest import make_word_model
@@ -129,7 +129,7 @@ def last_id(tok, text: str) -> int:
 
 
 def test_fact_refusal_on_smollm2_token_ids(embedded):
-    tok, classes = embedded.tokenizer, embedded.token_classes
+    tok, classes = embedded.tokenizer, model_token_classes(embedded)
     room_2 = tok.encode("The talk is in room 2", add_special_tokens=False)
     comma, dot = last_id(tok, "2,"), last_id(tok, "2.")
     assert tok.decode([comma]) == "," and tok.decode([dot]) == "."
@@ -148,9 +148,9 @@ def test_fact_refusal_on_smollm2_token_ids(embedded):
     assert fact_refusal(classes, tok.encode("the", add_special_tokens=False), colour, color) is None
     # the chat end-of-turn and end-of-text are special: the turn guard's, never text
     newline, im_end = last_id(tok, "\n"), tok.convert_tokens_to_ids("<|im_end|>")
-    assert {im_end, tok.eos_token_id} <= embedded.special_token_ids
-    assert newline not in embedded.special_token_ids
-    assert turn_guard(embedded.special_token_ids)([], newline, im_end) == "turn"
+    assert {im_end, tok.eos_token_id} <= model_special_ids(embedded)
+    assert newline not in model_special_ids(embedded)
+    assert turn_guard(model_special_ids(embedded))([], newline, im_end) == "turn"
 
 
 # ---------------------------------------------------------------- end to end through the engine
@@ -202,7 +202,7 @@ def test_no_rescue_over_the_end_of_turn_through_the_engine():
         if i == len(mine):
             assert theirs[i].replaced_token_id == eos and guarded.finish_reason == "stop"
         else:
-            assert mine[i] == theirs[i].replaced_token_id and mine[i] in target.special_token_ids
+            assert mine[i] == theirs[i].replaced_token_id and mine[i] in model_special_ids(target)
     # the test has power: unguarded, CSD did rescue over EOS; guarded, the guard refused rescues
     unguarded_over_eos = sum(t.replaced_token_id == eos for g in runs[False] for t in g.tokens)
     assert unguarded_over_eos > 0 and guarded_refusals > 0 and parted > 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ocm_store import InMemoryStore, Namespace
-from service.decoding.fact_guard import fact_class
+from service.decoding.fact_guard import fact_class, model_token_classes
 from service.decoding.types import Provenance
 from service.decoding.verification import (
     calibrated_rule,
@@ -219,7 +219,7 @@ def test_fact_classes(text, expected):
 
 
 def test_the_guarded_vocabulary_of_the_embedded_model(embedded):
-    ids = embedded.fact_tokens
+    ids = model_token_classes(embedded).fact_ids
     tok = embedded.tokenizer
     # the last token of each text carries the digit or the word (SmolLM2 splits " 2" into " " and "2")
     for text in (" 2", " 0", " not", " never", " London"):

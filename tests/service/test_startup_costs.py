@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from service.decoding import native
-from service.decoding.paths import default_cache_dir
+from service.executor import native
+from service.executor.paths import default_cache_dir
 from tests.test_cli import csd
 
 PROMPT = "Name three colours."

@@ -1,4 +1,4 @@
-"""torch's default thread count (service/decoding/threads.py): from the CPUs the process may use (affinity mask,
+"""torch's default thread count (service/executor/threads.py): from the CPUs the process may use (affinity mask,
 cgroup CPU quota, CPUs other processes leave idle), the governor that follows the idle CPUs while serving,
 OpenMP's passive wait set before torch loads where the threads start oversubscribed, and the start-up log
 line and oversubscription warning of a real `csd` process.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from service.decoding.threads import (
+from service.executor.threads import (
     affinity_cpus,
     busy_elsewhere,
     cgroup_cpus,
@@ -155,7 +155,7 @@ def test_busy_elsewhere_counts_other_processes_not_this_one():
 def test_passive_wait_is_set_only_for_oversubscribed_threads_before_torch_loads():
     code = (
         "import os, sys\n"
-        "from service.decoding.threads import affinity_cpus, prepare_wait_policy\n"
+        "from service.executor.threads import affinity_cpus, prepare_wait_policy\n"
         "requested = None if sys.argv[1] == 'none' else affinity_cpus() + 1\n"
         "print(prepare_wait_policy(requested), os.environ.get('OMP_WAIT_POLICY'))\n"
     )
@@ -184,7 +184,7 @@ def test_passive_wait_is_set_only_for_oversubscribed_threads_before_torch_loads(
 GOVERNED = """
 import os, subprocess, sys, time
 import torch
-from service.decoding.threads import ThreadGovernor, choose_threads
+from service.executor.threads import ThreadGovernor, choose_threads
 
 SPIN = "while True:\\n    pass\\n"
 choice = choose_threads(None, busy_cpus=0.0)

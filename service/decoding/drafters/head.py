@@ -22,9 +22,9 @@ import torch
 
 from service.decoding.draft_head import RecurrentDraftHead
 from service.decoding.drafters.base import Draft, DraftRow, Stateless
-from service.decoding.models import LoadedModel, vocabulary_hash
 from service.decoding.types import DecodingError
 from service.decoding.verification import sampling_probs
+from service.executor.models import LoadedModel, vocabulary_hash
 
 CONFIDENCE_BUCKETS = (0.5, 0.8)
 # A row stops drafting once the head's own estimate that all its draft tokens so far survive (the product of

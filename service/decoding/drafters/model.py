@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import torch
 
-from service.decoding.batch_kv import BatchKV
 from service.decoding.drafters.base import Draft, DraftRow
-from service.decoding.models import LoadedModel
 from service.decoding.verification import sampling_probs
+from service.executor.batch_kv import BatchKV
+from service.executor.models import LoadedModel
 
 
 class ModelDrafter:

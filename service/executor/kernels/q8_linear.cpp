@@ -1,6 +1,6 @@
 // y = x W^T for a weight held as 8-bit blocks (GGUF's Q8_0: 32 int8 weights q and one scale s a block), fp32
 // in and out: the LM head of a GGUF whose token embeddings are Q8_0 (and the draft head's layers), read as 1
-// byte a weight instead of fp32's 4. See service/decoding/q8_head.py for why and how it is used.
+// byte a weight instead of fp32's 4. See service/executor/q8_head.py for why and how it is used.
 //
 // The activations are quantised to 8 bits per block of 32 as llama.cpp does for its Q8_0 dot products
 // (x ~ a * xq, a = max|x| / 127, xq in -127..127), so a block's product is an exact integer dot product,

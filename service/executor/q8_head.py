@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import torch
 
-from service.decoding import native
-from service.decoding.int4_weights import KERNEL_COLUMNS, interleave_blocks
+from service.executor import native
+from service.executor.int4_weights import KERNEL_COLUMNS, interleave_blocks
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from transformers import DynamicCache
 
 from service.decoding import Engine, ModelDrafter, NgramDrafter, SamplingParams, SpeculativeConfig, run_alone
 from service.decoding.drafters import DraftRow, ModelDraftRows
-from service.decoding.fused_layers import executor_name
-from service.decoding.kv_cache import GrowingLayer, crop_cache, new_cache
 from service.decoding.verification import sampling_probs
+from service.executor.fused_layers import executor_name
+from service.executor.kv_cache import GrowingLayer, crop_cache, new_cache
 from tests.conftest import make_word_model
 
 ATOL = 1e-3

@@ -1,4 +1,4 @@
-"""4-bit weights (`service/decoding/int4_weights.py`): the GGUF's own Q4_1 blocks found again exactly, a row's
+"""4-bit weights (`service/executor/int4_weights.py`): the GGUF's own Q4_1 blocks found again exactly, a row's
 output independent of how many rows run together, `--weights auto` choosing int4 only for a 4-bit GGUF on the
 CPU in the body dtype the CPU runs best (bf16 with native bf16, fp32 elsewhere), and strict speculative decoding
 on int4 equal to plain decoding of the same weights in either body."""
@@ -17,9 +17,10 @@ from service.decoding import (
     load_model,
     run_alone,
 )
-from service.decoding.batch_invariant import ATTENTION, FP32LogitsHead, FP32Norm
-from service.decoding.cpu_kernels import PackedLinear, default_cpu_dtype
-from service.decoding.int4_weights import (
+from service.decoding.text import encode_chat
+from service.executor.batch_invariant import ATTENTION, FP32LogitsHead, FP32Norm
+from service.executor.cpu_kernels import PackedLinear, default_cpu_dtype
+from service.executor.int4_weights import (
     GROUP,
     Int4Linear,
     Int4Projection,
@@ -30,9 +31,8 @@ from service.decoding.int4_weights import (
     int4_supported,
     quantize_int4,
 )
-from service.decoding.paths import embedded_gguf_path
-from service.decoding.q8_head import Q8Head, q8_kernel
-from service.decoding.text import encode_chat
+from service.executor.paths import embedded_gguf_path
+from service.executor.q8_head import Q8Head, q8_kernel
 from tests.conftest import make_word_model
 
 pytestmark = [

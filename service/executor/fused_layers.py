@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from service.decoding import native
-from service.decoding.int4_weights import Int4Linear, Int4Projection
+from service.executor import native
+from service.executor.int4_weights import Int4Linear, Int4Projection
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 // y = x W^T for a weight held as 4-bit blocks (GGUF's Q4_1: 32 weights w = d * q + m, q in 0..15), the
 // activations quantised to 8 bits per block of 32 as llama.cpp does (its Q8_1), each product an exact integer
-// dot product. See service/decoding/int4_weights.py for why.
+// dot product. See service/executor/int4_weights.py for why.
 //
 // For row r, column n and block b, with the row's block quantised as x ~ a * xq (a = max|x| / 127, xq in
 // -127..127), s = the block's exact fp32 sum of x and c = 8 (s - a * sum xq):

@@ -17,25 +17,24 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from service.decoding.batch_invariant import make_batch_invariant
-from service.decoding.cpu_kernels import default_cpu_dtype, pack_linear_layers
-from service.decoding.fused_layers import executor_name, fuse_decoder_layers
-from service.decoding.int4_weights import gguf_is_4bit, int4_kernel, int4_supported, quantize_linear_layers
-from service.decoding.paths import check_gguf_header, default_cache_dir, resolve_model_spec
-from service.decoding.q8_head import head_blocks, use_q8_head
 from service.decoding.types import DecodingError
+from service.executor.batch_invariant import make_batch_invariant
+from service.executor.cpu_kernels import default_cpu_dtype, pack_linear_layers
+from service.executor.fused_layers import executor_name, fuse_decoder_layers
+from service.executor.int4_weights import gguf_is_4bit, int4_kernel, int4_supported, quantize_linear_layers
+from service.executor.paths import check_gguf_header, default_cache_dir, resolve_model_spec
+from service.executor.q8_head import head_blocks, use_q8_head
 
-if TYPE_CHECKING:
-    from service.decoding.fact_guard import TokenClasses
-    from service.decoding.grammar import GrammarCompiler
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -140,44 +139,18 @@ class LoadedModel:
         return capture
 
     @property
-    def token_classes(self) -> TokenClasses:
-        """Per-token flags of CSD's rescue guards (`fact_guard.token_classes`); computed once per model."""
-        classes = self.model.__dict__.get("_csd_token_classes")
-        if classes is None:
-            from service.decoding.fact_guard import token_classes
-
-            classes = token_classes(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids()))
-            self.model.__dict__["_csd_token_classes"] = classes
-        return classes
-
-    @property
-    def fact_tokens(self) -> frozenset[int]:
-        """Token ids that are a number, date, negation or name by themselves (`fact_guard`)."""
-        return self.token_classes.fact_ids
-
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        """Special tokens (end of turn, end of text, chat markers) and the model's EOS ids: the turn guard's."""
-        ids = self.model.__dict__.get("_csd_special_ids")
-        if ids is None:
-            ids = self.model.__dict__["_csd_special_ids"] = self.token_classes.special_ids
-        return ids
-
-    @property
     def vocab_size(self) -> int:
         """Rows of the LM head: the width of the logits (may exceed the tokenizer's length by padding)."""
         return int(self.model.get_output_embeddings().weight.shape[0])
 
-    @property
-    def grammar(self) -> GrammarCompiler:
-        """The grammar engine's view of the tokenizer (structured output); built once per model."""
-        compiler = self.model.__dict__.get("_csd_grammar")
-        if compiler is None:
-            from service.decoding.grammar import GrammarCompiler
-
-            compiler = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids()))
-            self.model.__dict__["_csd_grammar"] = compiler
-        return compiler
+    def memo(self, key: str, build: Callable[[], T]) -> T:
+        """A value derived from this model, built on first use and kept with it: the decoding core's views of
+        the vocabulary (its rescue guards' token classes, the grammar engine's tokenizer), which the executor
+        keeps without knowing what they are."""
+        memos = self.model.__dict__.setdefault("_csd_memos", {})
+        if key not in memos:
+            memos[key] = build()
+        return memos[key]
 
     @property
     def max_context(self) -> int:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from service.decoding import native
+from service.executor import native
 
 log = logging.getLogger(__name__)
 

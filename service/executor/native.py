@@ -18,8 +18,8 @@ from types import ModuleType
 
 import torch
 
-from service.decoding.cpu_kernels import cpu_flags
-from service.decoding.paths import default_cache_dir
+from service.executor.cpu_kernels import cpu_flags
+from service.executor.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
 

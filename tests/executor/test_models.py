@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from service.decoding import DecodingError, check_same_vocabulary, load_model
-from service.decoding.cpu_kernels import has_native_bf16
-from service.decoding.models import gguf_cache_folder, gguf_content_key, load_tokenizer_for_display
-from service.decoding.paths import default_cache_dir, embedded_gguf_path
+from service.executor.cpu_kernels import has_native_bf16
+from service.executor.models import gguf_cache_folder, gguf_content_key, load_tokenizer_for_display
+from service.executor.paths import default_cache_dir, embedded_gguf_path
 from tests.conftest import WORDS, make_word_model, make_word_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -229,8 +229,8 @@ def test_packed_cpu_weights_give_the_default_kernels_logits():
     """`load_model` packs an fp32 CPU model's linear layers for oneDNN; the logits stay those of the
     default kernels to float32 rounding, for one token and for several (the speculative shapes), and the
     greedy choice is the same at every position."""
-    from service.decoding.batch_invariant import FP32LogitsHead
-    from service.decoding.cpu_kernels import PackedLinear
+    from service.executor.batch_invariant import FP32LogitsHead
+    from service.executor.cpu_kernels import PackedLinear
 
     packed = load_model("embedded", dtype="float32")
     dense = load_model("embedded", dtype="float32", pack_cpu_weights=False)
@@ -256,7 +256,7 @@ def test_packed_cpu_weights_give_the_default_kernels_logits():
 def test_a_packed_layer_gives_a_row_the_same_bits_in_every_call_of_2_to_64_rows():
     """Packed for PACKED_FOR_ROWS rows, oneDNN still sums a row the same way in any call of 2 to 64 rows
     (what FP32LogitsHead's row blocks rely on), and its output is the layer's to fp32 rounding."""
-    from service.decoding.cpu_kernels import PackedLinear
+    from service.executor.cpu_kernels import PackedLinear
 
     torch.manual_seed(5)
     linear = torch.nn.Linear(576, 1536)
@@ -279,7 +279,7 @@ def test_a_loaded_model_tracks_no_gradients():
 
 
 def test_models_that_are_not_fp32_on_the_cpu_are_not_packed():
-    from service.decoding.cpu_kernels import pack_linear_layers
+    from service.executor.cpu_kernels import pack_linear_layers
 
     half = make_word_model(seed=1).model.to(torch.bfloat16)
     assert pack_linear_layers(half) == 0
@@ -291,7 +291,7 @@ def test_the_gguf_conversion_draws_no_progress_bar(capfd):
     # server's log (tests/api/test_http.py checks every line is stamped, on a machine whose cache is empty)
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    from service.decoding.models import _quiet_gguf_progress
+    from service.executor.models import _quiet_gguf_progress
 
     original = gguf_utils.tqdm
     with _quiet_gguf_progress():

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from service.decoding.kv_cache import crop_cache, new_cache
 from service.decoding.types import DecodingError
+from service.executor.kv_cache import crop_cache, new_cache
 
 # transformers hands grouped-query attention to torch's SDPA natively (`enable_gqa`) only when no mask is
 # passed; with our padding mask it would first copy every layer's cached keys and values once per query

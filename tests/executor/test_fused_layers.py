@@ -13,17 +13,18 @@ import sys
 import pytest
 import torch
 
-from service.decoding import load_model, native
-from service.decoding.cpu_kernels import default_cpu_dtype
-from service.decoding.int4_weights import (
+from service.decoding import load_model
+from service.decoding.text import encode_chat
+from service.executor import native
+from service.executor.cpu_kernels import default_cpu_dtype
+from service.executor.int4_weights import (
     dequantize_int4,
     int4_supported,
     interleave_blocks,
     pack_int4,
     quantize_int4,
 )
-from service.decoding.paths import default_cache_dir
-from service.decoding.text import encode_chat
+from service.executor.paths import default_cache_dir
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
@@ -257,7 +258,7 @@ def test_without_the_kernel_the_model_runs_transformers_layers_on_torchs_int4_ke
     script = (
         "import torch\n"
         "from service.decoding import load_model\n"
-        "from service.decoding.int4_weights import Int4Linear\n"
+        "from service.executor.int4_weights import Int4Linear\n"
         "loaded = load_model('embedded')\n"
         "layers = [m for m in loaded.model.modules() if isinstance(m, Int4Linear)]\n"
         "print('weights', loaded.weights, 'dtype', loaded.model.dtype)\n"
@@ -277,7 +278,7 @@ def test_without_the_kernel_the_model_runs_transformers_layers_on_torchs_int4_ke
 def test_a_layer_neither_kernel_can_hold_stays_dense(kernels):
     """Torch's int4 packing needs outputs in multiples of 16, the project's kernel of 8 and inputs of 32: a
     layer that is not whole groups keeps its dense weights, beside one that is quantised."""
-    from service.decoding.int4_weights import quantize_linear_layers
+    from service.executor.int4_weights import quantize_linear_layers
 
     class Body(torch.nn.Sequential):
         def get_output_embeddings(self) -> None:  # what a transformers model answers; no head here

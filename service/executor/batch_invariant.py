@@ -49,7 +49,7 @@ shape; so in fp32 each attention matmul runs exactly FP32_QUERY_BLOCK queries, a
 zero queries.
 
 With all three, a 7-token chunk gives bit-identical logits to 7 one-token forwards, a 48-token chunk too, and a row
-of a padded batch the bits of the same sequence alone (tests/decoding/test_batch_invariant.py). It costs
+of a padded batch the bits of the same sequence alone (tests/executor/test_batch_invariant.py). It costs
 little where it matters most: the 7-token forward of the embedded model stays ~1.1x a one-token one (packed
 fp32: ~1.6x), and eager attention decodes faster here than SDPA, whose one-query bf16 path was slower than its
 7-query one at 1,500 tokens of context. Wide forwards pay more, since they run the small-row kernels block
@@ -74,10 +74,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
-from service.decoding.cpu_kernels import PackedLinear, replace_linear_layers
-from service.decoding.int4_weights import Int4Linear
-from service.decoding.q8_head import Q8Head
 from service.decoding.types import DecodingError
+from service.executor.cpu_kernels import PackedLinear, replace_linear_layers
+from service.executor.int4_weights import Int4Linear
+from service.executor.q8_head import Q8Head
 
 log = logging.getLogger(__name__)
 

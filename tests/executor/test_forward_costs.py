@@ -12,7 +12,7 @@ import itertools
 import pytest
 
 from service.decoding.draft_policy import DraftPolicy
-from service.decoding.forward_costs import CostMeasurement, row_counts, summarise, token_counts
+from service.executor.forward_costs import CostMeasurement, row_counts, summarise, token_counts
 
 MAX_TOKENS = 7
 MAX_ROWS = 16

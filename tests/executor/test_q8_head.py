@@ -1,4 +1,4 @@
-"""The LM head from a GGUF's own 8-bit blocks (`service/decoding/q8_head.py`): the file's Q8_0 weights found
+"""The LM head from a GGUF's own 8-bit blocks (`service/executor/q8_head.py`): the file's Q8_0 weights found
 again exactly, the packed layout, a kernel whose rows keep their bits for any row and thread count and on
 every instruction set, logits within the activations' 8-bit rounding of the fp32 head's with the same top
 token, and the packed fp32 head where the kernel cannot be built."""
@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from service.decoding import native
-from service.decoding.cpu_kernels import PackedLinear
-from service.decoding.models import load_model
-from service.decoding.q8_head import Q8Head, Q8Matrix, pack_q8, q8_blocks, q8_kernel
+from service.executor import native
+from service.executor.cpu_kernels import PackedLinear
+from service.executor.models import load_model
+from service.executor.q8_head import Q8Head, Q8Matrix, pack_q8, q8_blocks, q8_kernel
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -174,7 +174,7 @@ def test_a_cache_the_kernel_cannot_be_built_in_gives_no_kernel_and_says_why(tmp_
     blocked = tmp_path / "file"
     blocked.write_text("")
     env = {**os.environ, "CSD_CACHE_DIR": str(blocked / "cache")}
-    script = "from service.decoding.q8_head import q8_kernel; print('kernel', q8_kernel())"
+    script = "from service.executor.q8_head import q8_kernel; print('kernel', q8_kernel())"
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "kernel None" in out.stdout
@@ -182,7 +182,7 @@ def test_a_cache_the_kernel_cannot_be_built_in_gives_no_kernel_and_says_why(tmp_
 
 
 def test_a_linear_from_8bit_blocks_is_the_dense_one_within_quantisation(kernel):
-    from service.decoding.q8_head import Q8Linear, quantize_q8
+    from service.executor.q8_head import Q8Linear, quantize_q8
 
     linear = torch.nn.Linear(576, 200)
     with torch.no_grad():
@@ -204,7 +204,7 @@ def test_the_draft_head_drafts_from_8bit_blocks(kernel, embedded):
     everywhere, and a row's bits do not depend on the rows drafted beside it."""
     from service.decoding import HeadDrafter
     from service.decoding.draft_head import EMBEDDED_HEAD_DIR, RecurrentDraftHead
-    from service.decoding.q8_head import Q8Linear
+    from service.executor.q8_head import Q8Linear
 
     served = HeadDrafter(embedded, EMBEDDED_HEAD_DIR).head
     assert served._lm_blocks is not None and isinstance(served.mix.up, Q8Linear)

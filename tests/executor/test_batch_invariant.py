@@ -1,5 +1,5 @@
 """A k-token forward and a padded batch row give the same bits as one-token forwards of the sequence alone
-(`service/decoding/batch_invariant.py`), so strict SD stays exact, for every model whose matmuls round to bf16:
+(`service/executor/batch_invariant.py`), so strict SD stays exact, for every model whose matmuls round to bf16:
 a bf16 model on a CPU with native bf16 matmuls (measured on AVX512-BF16; on CPUs that emulate bf16 the kernels
 differ, so those tests skip there), and 4-bit weights in an fp32 body (what `--weights auto` serves for the
 embedded model on a CPU without native bf16), which runs on every CPU."""
@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from service.decoding.batch_invariant import (
+from service.decoding.text import encode_chat
+from service.executor.batch_invariant import (
     ATTENTION,
     FP32_QUERY_BLOCK,
     ROW_BLOCK,
@@ -22,11 +23,10 @@ from service.decoding.batch_invariant import (
     RowInvariantLinear,
     row_aligned_attention,
 )
-from service.decoding.cpu_kernels import PackedLinear, has_native_bf16
-from service.decoding.int4_weights import int4_supported
-from service.decoding.models import load_model
-from service.decoding.q8_head import Q8Head, q8_kernel
-from service.decoding.text import encode_chat
+from service.executor.cpu_kernels import PackedLinear, has_native_bf16
+from service.executor.int4_weights import int4_supported
+from service.executor.models import load_model
+from service.executor.q8_head import Q8Head, q8_kernel
 from tests.decoding.test_batch import padded_and_solo_logits
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-from service.decoding.kv_cache import crop_cache, new_cache
+from service.executor.kv_cache import crop_cache, new_cache
 
 # Bump when what is measured or how changes: cached tables of another version are measured again.
 MEASUREMENT_VERSION = 3
