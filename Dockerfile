@@ -20,7 +20,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     CSD_CACHE_DIR=/var/cache/csd-serve \
     HF_HOME=/var/cache/csd-serve/huggingface
 
-# A C++ compiler and ninja: the 8-bit LM head kernel (service/decoding/q8_head.py) is compiled on the first start,
+# A C++ compiler and ninja: the 8-bit LM head kernel (service/executor/q8_head.py) is compiled on the first start,
 # for the node's own CPU, into the cache volume (without them the head stays fp32, slower).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ ninja-build \
