@@ -1,6 +1,7 @@
-"""The suffix drafter (SuffixDecoding, arXiv 2411.04975): its trees against brute-force counts, the draft
-rule (most frequent path, match-length-adaptive length, probability floor), the bounded global tree, pools
-kept apart, and strict SD with it identical to vanilla through the real engine on the embedded model."""
+"""The suffix drafter (SuffixDecoding, arXiv 2411.04975): its global trees against brute-force counts, the
+request's own index against a brute-force draft rule (most frequent path, the latest among equals, match-length-
+adaptive length, probability floor, only occurrences with a continuation counted), the bounded global tree,
+pools kept apart, and strict SD with it identical to vanilla through the real engine on the embedded model."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from service.decoding.drafters import DraftRow
 from service.decoding.drafters.suffix import (
     GLOBAL_KEY_OFFSET,
     GlobalSuffixTrees,
+    SequenceIndex,
     SuffixDrafter,
     SuffixTree,
     _Node,
@@ -61,19 +63,88 @@ def check_best(tree: SuffixTree) -> None:
 
 
 @pytest.mark.parametrize("depth", [1, 3, 8])
-def test_append_and_add_index_every_substring_with_its_count(depth):
+def test_add_indexes_every_substring_with_its_count(depth):
     rng = random.Random(depth)
     seqs = [[rng.randrange(5) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
-    grown = SuffixTree(depth)
-    for piece in (seqs[0][:7], seqs[0][7:20], seqs[0][20:]):  # grown in uneven pieces, as rounds keep tokens
-        grown.append(piece)
-    assert trie_counts(grown) == substring_counts([seqs[0]], depth)
-    assert grown.root.count == len(seqs[0])
     whole = SuffixTree(depth)
     for seq in seqs:
         whole.add(seq)
     assert trie_counts(whole) == substring_counts(seqs, depth)
     check_best(whole)
+
+
+def brute_force_draft(
+    text: list[int], k: int, factor: float, depth: int, floor: float
+) -> tuple[list[int], int]:
+    """The request's own draft by the rule, slowly: for every match length m, the earlier occurrences of the
+    text's last m tokens; from them, the most frequent next token (the latest among equals) over the
+    occurrences that have one, while the path's probability stays >= floor, at most factor * m tokens; the
+    best sum of probabilities wins, a longer match winning ties. (tokens, match length)"""
+    n = len(text)
+    best: tuple[float, list[int], int] = (0.0, [], 0)
+    for m in range(1, min(depth, n - 1) + 1):
+        ends = [e for e in range(m - 1, n - 1) if text[e - m + 1 : e + 1] == text[n - m :]]
+        if not ends:
+            break
+        tokens: list[int] = []
+        prob = score = 0.0
+        prob = 1.0
+        while len(tokens) < min(k, int(m * factor + 1e-6)):
+            nexts = [(text[e + 1], e) for e in ends if e + 1 < n]
+            if not nexts:
+                break
+            counts = Counter(t for t, _ in nexts)
+            top = max(counts.values())
+            pick = max((e, t) for t, e in nexts if counts[t] == top)[1]
+            prob *= top / len(nexts)
+            if prob < floor:
+                break
+            tokens.append(pick)
+            score += prob
+            ends = [e + 1 for t, e in nexts if t == pick]
+        if tokens and score >= best[0]:
+            best = (score, tokens, m)
+    return best[1], best[2]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_request_index_drafts_what_the_rule_says(seed):
+    """Random texts over small alphabets (many repeats, many ties), grown in uneven pieces as rounds keep
+    tokens, against the brute-force rule after every piece."""
+    rng = random.Random(seed)
+    alphabet = rng.choice([2, 3, 6])
+    depth = rng.choice([3, 6, 24])
+    factor = rng.choice([1.0, 4.0])
+    floor = rng.choice([0.1, 0.3])
+    text = [rng.randrange(alphabet) for _ in range(rng.randrange(5, 120))]
+    index = SequenceIndex(depth)
+    done = 0
+    while done < len(text):
+        step = rng.randrange(1, 9)
+        index.append(text[done : done + step])
+        done = min(len(text), done + step)
+        got = index.speculate(8, factor, 0.0, floor)
+        want = brute_force_draft(text[:done], 8, factor, depth, floor)
+        assert (got.tokens, got.match_len if got.tokens else 0) == want, text[:done]
+
+
+def test_the_request_index_counts_only_occurrences_that_continue_and_prefers_the_latest():
+    index = SequenceIndex(24)
+    index.append([1, 2, 3, 4, 5, 1, 2, 3])
+    draft = index.speculate(8, 4.0, 0.0, 0.1)
+    # seen once before: probability 1, not 1/2 (the text's own final [1, 2, 3] has nothing after it)
+    assert draft.tokens == [4, 5, 1, 2, 3] and draft.score == 5.0 and draft.match_len == 3
+    ties = SequenceIndex(24)
+    ties.append([7, 5, 0, 7, 6, 0, 7])  # after 7: 5 once, then 6 once: the latest wins the tie
+    assert ties.speculate(1, 4.0, 0.0, 0.1).tokens == [6]
+
+
+def test_the_request_index_drafts_past_its_match_depth():
+    """A trie of depth 4 could draft at most 4 - m tokens after an m-token match; the index reads the text."""
+    run = list(range(100, 140))
+    index = SequenceIndex(4)
+    index.append([*run, 7, *run[:5]])
+    assert index.speculate(16, 4.0, 0.0, 0.1).tokens == run[5:21]
 
 
 def test_remove_undoes_add_and_frees_the_nodes():
@@ -116,7 +187,7 @@ def test_draft_length_grows_with_the_match_and_stops_below_the_probability_floor
     for tail in (1, 2, 3, 4):
         branchy.add([50, tail])
     assert branchy.speculate([50], 4, 4.0, 0.0, 0.3).tokens == []
-    assert branchy.speculate([50], 4, 4.0, 0.0, 0.2).tokens == [1]
+    assert branchy.speculate([50], 4, 4.0, 0.0, 0.2).tokens == [4]  # four equals: the latest added
 
 
 def test_the_global_trees_are_bounded_and_evict_the_oldest_outputs():
@@ -159,7 +230,7 @@ def test_outputs_shape_drafts_of_their_own_pool_only():
     assert drafter.global_trees.outputs("tenant-b") == 0
 
 
-def test_the_request_tree_drafts_from_the_prompt_and_the_output_so_far():
+def test_the_request_index_drafts_from_the_prompt_and_the_output_so_far():
     rows = SuffixDrafter(max_spec_factor=1.0).rows()
     seq = object()
     text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
@@ -167,6 +238,20 @@ def test_the_request_tree_drafts_from_the_prompt_and_the_output_so_far():
     assert draft.tokens == [4, 5, 6] and draft.key == 3  # a 3-token match drafts 3 at factor 1
     text += [4, 5, 6, 7]
     assert rows.propose([row(seq, text, 6, None)])[0].tokens == [8, 9, 1, 2, 3, 4]
+
+
+def test_the_index_fills_from_prefill_chunks_and_restarts_on_text_it_did_not_see():
+    """Prefill chunks fill the index (so a first proposal indexes one token, not the prompt); a committed text
+    that does not continue what was indexed (a drafter's state rebuilt, a bug) starts the index afresh."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    rows, seq = SuffixDrafter(max_spec_factor=1.0).rows(), object()
+    rows.prefill(seq, prompt[:5])
+    rows.prefill(seq, prompt[5:-1])
+    assert rows.sequences[seq].index.tokens == prompt[:-1]
+    assert rows.propose([row(seq, prompt, 6, None)])[0].tokens == [4, 5, 6]
+    other = [9, 8, 7, 9, 8]
+    assert rows.propose([row(seq, other, 6, None)])[0].tokens == [7, 9]
+    assert rows.sequences[seq].index.tokens == other
 
 
 # ---------------------------------------------------------------- through the real engine
@@ -253,3 +338,29 @@ def test_suffix_rows_batch_together_stay_lossless_and_pool_what_they_finish(embe
     csd = SpeculativeConfig(method=Method.CSD, num_speculative_tokens=16, draft_pool="p")
     again = run_to_end(engine.generate(ids[0], sampling, csd, drafter="suffix"))
     assert again.finish_reason is not None and again.stats.num_accepted > 0
+
+
+def test_the_drafter_never_keeps_more_than_the_copy_bound():
+    """bench.agentic_replay's copy bound (the longest stretch ahead found anywhere in what the replica has
+    seen) is a ceiling for every drafter that copies: the suffix drafter replayed cold and pooled stays under
+    it on texts with many repeats, and reaches it where the answer repeats one earlier answer."""
+    from bench.agentic_replay import copy_bound, replay
+
+    rng = random.Random(5)
+
+    def turn(i: int) -> dict:
+        phrase = [rng.randrange(12) for _ in range(30)]
+        answer = phrase[:10] + [rng.randrange(12) for _ in range(8)] + phrase[10:]
+        return {"conversation": i, "family": "f", "prompt": [99, *phrase, 98], "output": answer}
+
+    earlier, measured = [turn(i) for i in range(4)], [turn(i) for i in range(4)]
+    for prior in ([], earlier):
+        drafter = SuffixDrafter()
+        replay(drafter, prior, k=16)
+        forwards = sum(replay(drafter, measured, k=16)[1])
+        assert forwards >= sum(copy_bound(measured, 16, prior)[1])
+    same = [{"conversation": 0, "family": "f", "prompt": [1, 2, 3], "output": list(range(100, 140))}]
+    drafter = SuffixDrafter()
+    replay(drafter, same, k=16)
+    again = [{**same[0], "prompt": [4, 2, 3]}]
+    assert replay(drafter, again, k=16)[1] == copy_bound(again, 16, same)[1] == [3]

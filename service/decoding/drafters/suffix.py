@@ -1,30 +1,42 @@
-"""Suffix decoding: drafts from suffix trees over the request's own text and over earlier outputs.
+"""Suffix decoding: drafts from the request's own text and from suffix trees over earlier outputs.
 
 SuffixDecoding (Oliaro et al., arXiv 2411.04975; the reference implementation is Snowflake's Arctic
 Inference, `arctic_inference/suffix_decoding`, in C++). Agent traffic repeats itself across requests: the
-same tool-call JSON, a file re-emitted with one line changed, a plan rewritten turn after turn. Two trees
+same tool-call JSON, a file re-emitted with one line changed, a plan rewritten turn after turn. Two sources
 hold what may repeat:
-- a per-request tree over the prompt and the output so far (what prompt lookup sees, with every match
-  length up to `max_depth` instead of 1..4, and counts);
-- a global tree per draft pool over recent outputs of other requests, with frequency counts, bounded in
-  nodes (the oldest outputs are removed first). A pool is the API key's tenant by default (the API layer
-  names it, `SpeculativeConfig.draft_pool`): one tenant's outputs never shape another's drafts, since a
-  draft can leak through timing. A request without a pool drafts from its own tree only.
+- the request's prompt and output so far (`SequenceIndex`: what prompt lookup sees, with every match length
+  up to `max_depth` instead of 1..4, and counts);
+- a global tree per draft pool over recent outputs of other requests (`SuffixTree`), with frequency counts,
+  bounded in nodes (the oldest outputs are removed first). A pool is the API key's tenant by default (the API
+  layer names it, `SpeculativeConfig.draft_pool`): one tenant's outputs never shape another's drafts, since a
+  draft can leak through timing. A request without a pool drafts from its own text only.
 
-Per round, as in the paper: for every match length m = 1, 2, ... of the context's suffix that the tree holds,
-draft a path from the matched node, always taking the most frequent child while the product of the
-children's frequency ratios stays >= `min_token_prob`, for at most `factor * m + offset` tokens (a longer
-match earns a longer draft); each tree's best draft by score (the sum of the path's probabilities, a longer
-match winning ties) is its proposal, and the higher-scoring proposal of the two trees is the row's draft.
-Arctic's defaults (vLLM's `method: suffix`) are depth 24, factor 1, offset 0, min_token_prob 0.1; ours are the
-same but factor 4 (the draft policy, keyed by the match length, cuts what does not survive; replaying the
-agentic bench's answers, factor 4 kept 20 % more tokens per forward than factor 1, docs/drafters.md), and an
-output enters the global tree with the last 8 tokens of its prompt in front (the chat template's assistant
-header), so a new answer's first tokens can match an earlier answer's.
+Per round, as in the paper: for every match length m = 1, 2, ... of the context's suffix that a source holds,
+draft a path from the matched occurrences, always taking the most frequent next token (the most recent one
+among equally frequent: what the text just wrote is the likeliest to recur, prompt lookup's finding too) while
+the product of the steps' frequency ratios stays >= `min_token_prob`, for at most `factor * m + offset`
+tokens (a longer match earns a longer draft); each source's best draft by score (the sum of the path's
+probabilities, a longer match winning ties) is its proposal, and the higher-scoring proposal of the two is the
+row's draft. Arctic's defaults (vLLM's `method: suffix`) are depth 24, factor 1, offset 0, min_token_prob
+0.1; ours are the same but factor 4 (the draft policy, keyed by the match length, cuts what does not
+survive; replaying the agentic bench's answers, factor 4 kept 20 % more tokens per forward than factor 1),
+and an output enters the global tree with the last 8 tokens of its prompt in front (the chat template's
+assistant header), so a new answer's first tokens can match an earlier answer's.
 
-What we do differently: Arctic compresses paths (a suffix tree proper, O(n) nodes); this is a plain trie of
-every substring up to `max_depth` (O(n * depth) nodes worst case, far fewer on repetitive text) in pure
-Python, kept small by the node bound. Its costs are measured in docs/drafters.md.
+What we do differently, and why (measured on the agentic bench, docs/benchmarks.md, "Suffix decoding,
+second pass"):
+- The request's own text is not a trie but a position index (`SequenceIndex`: token -> where it occurs),
+  whose occurrences are narrowed to the matched suffix at proposal time. A pure-Python trie of every substring
+  up to depth 24 cost ~60 us a prompt token (60 ms for a 1,000-token agent prompt, a fifth of its prefill on
+  a Zen 4 core), and, built at the first proposal, it counted as drafting time: the draft policy, which
+  weighs a drafter's seconds per drafted position, then drafted little for the rest of the request. The index
+  costs ~0.1 us a token, filled from the prefill chunks, and ~60 us a proposal. Its drafts also run past the
+  trie's depth (a re-emitted file is copied 16 tokens at a time whatever the match length), and its counts
+  leave out the context's own final occurrence, which has no continuation (in a trie over the context it made
+  a match seen once before look 1/2 likely, so a pooled answer won where the request's own text was right).
+- The global tree is a plain trie of every substring up to `max_depth` (Arctic compresses paths: a suffix
+  tree proper, O(n) nodes), in pure Python, kept small by the node bound: an output is added once, when its
+  request leaves.
 
 Pooling across replicas (`DraftPool`, implemented over Redis in `ocm_store/draft_pool.py`): a finished
 output is published to the pool sink as well as folded into the local global tree, and the sink folds the
@@ -55,7 +67,7 @@ class _Node:
     def __init__(self) -> None:
         self.count = 0
         self.children: dict[int, _Node] | None = None  # None for a leaf (most nodes): saves a dict each
-        self.best = -1  # the token of the child with the highest count (-1: no child)
+        self.best = -1  # the child with the highest count, the latest to reach it among equals (-1: none)
 
 
 @dataclass
@@ -69,11 +81,9 @@ class SuffixMatch:
 
 
 class SuffixTree:
-    """Every substring of the indexed sequences up to `max_depth` tokens, with occurrence counts.
-
-    `append` extends one growing sequence (a request's prompt and output) token by token; `add` and
-    `remove` index and unindex a whole sequence (an output in the global tree). `nodes` counts the trie's
-    nodes (the memory bound of the global tree)."""
+    """Every substring of the indexed sequences up to `max_depth` tokens, with occurrence counts: a pool's
+    global tree. `add` and `remove` index and unindex a whole sequence (an output); `nodes` counts the trie's
+    nodes (the memory bound of the global trees)."""
 
     def __init__(self, max_depth: int) -> None:
         if max_depth < 1:
@@ -81,8 +91,6 @@ class SuffixTree:
         self.max_depth = max_depth
         self.root = _Node()
         self.nodes = 1
-        # the nodes of the suffixes that start in the last max_depth - 1 positions of the growing sequence
-        self._active: list[_Node] = []
 
     # ------------------------------------------------------------------ building
 
@@ -97,20 +105,9 @@ class SuffixTree:
             self.nodes += 1
         child.count += 1
         best = node.best
-        if best != token and (best < 0 or children[best].count < child.count):
+        if best != token and (best < 0 or children[best].count <= child.count):
             node.best = token
         return child
-
-    def append(self, tokens: Sequence[int]) -> None:
-        """Extend the growing sequence by `tokens`: every suffix ending at a new token is indexed."""
-        depth_cap = self.max_depth
-        for token in tokens:
-            self.root.count += 1
-            # active[i] is the node of the suffix that started len(active) - i tokens ago (depth)
-            extended = [self._child(node, token) for node in self._active]
-            extended.append(self._child(self.root, token))
-            # a node at depth max_depth cannot grow: the oldest active suffix drops out
-            self._active = extended[1:] if len(extended) >= depth_cap else extended
 
     def add(self, tokens: Sequence[int]) -> None:
         """Index a whole sequence (every suffix, up to max_depth tokens)."""
@@ -180,6 +177,81 @@ class SuffixTree:
             if tokens and score >= best.score:
                 best = SuffixMatch(tokens, score, match_len)
         return best
+
+
+class SequenceIndex:
+    """One request's prompt and output so far, and where each token occurs in it: what the request's own drafts
+    come from. `append` costs a list append a token; a proposal narrows the occurrences of the last token to
+    those that match the context's suffix one more token at a time (up to `max_depth`), and drafts by reading
+    the text after them, so a draft is not bounded by a tree's depth."""
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 1:
+            raise DecodingError("a suffix index needs max_depth >= 1")
+        self.max_depth = max_depth
+        self.tokens: list[int] = []
+        self._at: dict[int, list[int]] = {}  # token -> its positions in `tokens`, ascending
+
+    def append(self, tokens: Sequence[int]) -> None:
+        at, text = self._at, self.tokens
+        for token in tokens:
+            positions = at.get(token)
+            if positions is None:
+                at[token] = [len(text)]
+            else:
+                positions.append(len(text))
+            text.append(token)
+
+    def speculate(self, max_tokens: int, factor: float, offset: float, min_token_prob: float) -> SuffixMatch:
+        """The best path draft continuing the text, over every match length of its suffix (the module
+        docstring): what `SuffixTree.speculate` drafts from a trie over this text, without the trie's depth
+        bound on the draft and counting only occurrences that have a continuation."""
+        text = self.tokens
+        n = len(text)
+        best = SuffixMatch([])
+        if n < 2:
+            return best
+        # end positions of the earlier occurrences of the suffix matched so far (the last one is the suffix)
+        ends = self._at[text[-1]][:-1]
+        match_len = 1
+        while ends:
+            longer: list[int] = []
+            if match_len < min(self.max_depth, n - 1):
+                before = text[n - 1 - match_len]
+                longer = [e for e in ends if e >= match_len and text[e - match_len] == before]
+            if len(longer) < len(ends):  # the matched occurrences change past here: draft from this length
+                limit = min(max_tokens, int(match_len * factor + offset + 1e-6))
+                draft = self._path(ends, limit, min_token_prob)
+                if draft.tokens and draft.score >= best.score:
+                    draft.match_len = match_len
+                    best = draft
+            ends = longer
+            match_len += 1
+        return best
+
+    def _path(self, ends: list[int], limit: int, min_token_prob: float) -> SuffixMatch:
+        """From occurrences ending at `ends`: the most frequent next token (the latest among equals) while the
+        path's probability stays >= min_token_prob, at most `limit` tokens."""
+        text, last = self.tokens, len(self.tokens) - 1
+        tokens: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(tokens) < limit:
+            counts: dict[int, int] = {}
+            for e in ends:  # ascending: a later occurrence reaches an equal count later
+                if e < last:
+                    token = text[e + 1]
+                    counts[token] = counts.get(token, 0) + 1
+            if not counts:
+                break
+            top = max(counts.values())
+            pick = next(text[e + 1] for e in reversed(ends) if e < last and counts[text[e + 1]] == top)
+            prob *= top / sum(counts.values())
+            if prob < min_token_prob:
+                break
+            tokens.append(pick)
+            score += prob
+            ends = [e + 1 for e in ends if e < last and text[e + 1] == pick]
+        return SuffixMatch(tokens, score)
 
 
 class DraftPool(Protocol):
@@ -295,12 +367,13 @@ class SuffixDrafter:
         """Another replica's output (from the pool sink's reader), into this replica's tree of its pool."""
         self.global_trees.add(pool, output)
 
-    def propose_one(self, local: SuffixTree, pool: str | None, context: Sequence[int], k: int) -> Draft:
+    def propose_one(self, local: SequenceIndex, pool: str | None, k: int) -> Draft:
+        """A row's draft: the better-scored of its own text's and its pool's proposals."""
         args = (k, self.factor, self.offset, self.min_token_prob)
-        own = local.speculate(context, *args)
+        own = local.speculate(*args)
         key = min(own.match_len, KEY_CAP)
         if pool is not None:
-            shared = self.global_trees.speculate(pool, context, *args)
+            shared = self.global_trees.speculate(pool, local.tokens, *args)
             if shared.score > own.score:
                 own, key = shared, GLOBAL_KEY_OFFSET + min(shared.match_len, KEY_CAP)
         return Draft(own.tokens, key=key) if own.tokens else Draft([])
@@ -308,42 +381,51 @@ class SuffixDrafter:
 
 @dataclass
 class _Sequence:
-    tree: SuffixTree
-    committed: Sequence[int]  # the row's own list: it grows as the target keeps tokens
-    indexed: int  # tokens of `committed` in the tree
-    prompt_len: int
+    index: SequenceIndex  # its tokens are the row's committed tokens (once a proposal has caught up)
+    prompt_len: int  # 0 until the first proposal
     pool: str | None
+    committed: Sequence[int] = ()  # the row's own list: it grows as the target keeps tokens
 
 
 class SuffixRows:
-    """The per-request trees of a batch's sequences. A sequence's tree is built at its first proposal (its
-    prompt) and extended by what the target kept since; when it leaves, its output joins the global tree."""
+    """The indexes of a batch's sequences. A sequence's index is filled from its prefill chunks (as the target
+    sees them: the cost stays out of the drafting time the draft policy weighs) and extended by what the
+    target kept since; when it leaves, its output joins its pool's global tree."""
 
     def __init__(self, drafter: SuffixDrafter) -> None:
         self.drafter = drafter
         self.sequences: dict[object, _Sequence] = {}
 
+    def _state(self, sequence: object) -> _Sequence:
+        state = self.sequences.get(sequence)
+        if state is None:
+            state = self.sequences[sequence] = _Sequence(SequenceIndex(self.drafter.max_depth), 0, None)
+        return state
+
     def prefill(self, sequence: object, tokens: Sequence[int]) -> None:
-        return None  # the tree is built from `committed` at the first proposal
+        self._state(sequence).index.append(tokens)
 
     def propose(self, rows: Sequence[DraftRow]) -> list[Draft]:
         drafts = []
         for row in rows:
-            state = self.sequences.get(row.sequence)
-            if state is None:
-                tree = SuffixTree(self.drafter.max_depth)
-                state = _Sequence(tree, row.committed, 0, len(row.committed), row.pool)
-                self.sequences[row.sequence] = state
-            state.committed = row.committed
-            committed = row.committed
-            if len(committed) > state.indexed:
-                state.tree.append(committed[state.indexed :])
-                state.indexed = len(committed)
-            drafts.append(self.drafter.propose_one(state.tree, state.pool, committed, row.max_tokens))
+            state = self._state(row.sequence)
+            index, committed = state.index, row.committed
+            if state.prompt_len == 0:
+                state.prompt_len, state.pool = len(committed), row.pool
+            state.committed = committed
+            indexed = len(index.tokens)
+            # `committed` only grows by kept tokens (drafters/base.py); anything else starts the index afresh
+            if indexed > len(committed) or (indexed and index.tokens[-1] != committed[indexed - 1]):
+                index = state.index = SequenceIndex(self.drafter.max_depth)
+                indexed = 0
+            if len(committed) > indexed:
+                index.append(committed[indexed:])
+            drafts.append(self.drafter.propose_one(index, state.pool, row.max_tokens))
         return drafts
 
     def leave(self, sequence: object) -> None:
         state = self.sequences.pop(sequence, None)
         if state is not None and state.pool is not None:
             start = max(0, state.prompt_len - self.drafter.prompt_tail)
+            # the row's list, not the index: the last round's kept tokens were never proposed on
             self.drafter.finished(state.pool, list(state.committed[start:]))
