@@ -18,6 +18,11 @@ another's traffic. The suffix drafter's columns:
 
 Figures: tokens per target forward (tokens the rounds decided per forward, vanilla 1.0) and speed (tokens
 per second of the whole call, prefill included, and of decoding alone), per column and per family.
+
+`--workload chat` (or grounded, any of bench/workloads.py's chat workloads) serves that workload's prompts
+instead, one turn each, through the same columns and checks: the issue's "chat and grounded no worse than
+the served default" (`combined`) compared drafter against drafter under the same strict method. Its pooled
+column's earlier traffic is the workload's next `--limit` prompts.
 """
 
 from __future__ import annotations
@@ -75,6 +80,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--extract", type=int, default=6, help="invoices to extract (1 turn each)")
     p.add_argument("--num-speculative-tokens", type=int, default=16, help="every speculative column's k")
     p.add_argument(
+        "--workload",
+        default="agentic",
+        help="agentic (bench/agentic_workload.py), or a chat workload of bench/workloads.py: grounded, chat, ...",
+    )
+    p.add_argument("--limit", type=int, default=8, help="prompts of a --workload other than agentic")
+    p.add_argument(
+        "--max-tokens", type=int, default=128, help="tokens per answer of a --workload other than agentic"
+    )
+    p.add_argument(
         "--columns", default=",".join(COLUMNS[:-1]), help=f"any of {','.join(COLUMNS)} (vanilla is kept)"
     )
     p.add_argument("--seed", type=int, default=1, help="the measured workload's seed (the pooled replica's "
@@ -113,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     k = args.num_speculative_tokens
     costs = measure_forward_costs(target.model, k + 1)
     sizes = {"tools": args.tools, "code": args.code, "extract": args.extract}
-    measured = workload(args.seed, sizes)
-    earlier = workload(args.seed + 1000, sizes)
+    if args.workload == "agentic":
+        measured = workload(args.seed, sizes)
+        earlier = workload(args.seed + 1000, sizes)
+    else:
+        measured, earlier = _single_turns(args.workload, args.limit, args.max_tokens)
 
     def engine(name: str, drafter) -> Engine:
         drafters = {name: drafter} if drafter is not None else {}
@@ -222,6 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _single_turns(name: str, limit: int, max_tokens: int):
+    """A chat workload of bench/workloads.py as one-turn conversations: the first `limit` prompts measured, the
+    next `limit` as the pooled replica's earlier traffic."""
+    from bench.agentic_workload import Conversation
+    from bench.workloads import load_workload
+
+    prompts = [p for p in load_workload(name, 2 * limit) if p.chat]
+    turns = [Conversation(name, None, [p.text], [max_tokens]) for p in prompts]
+    return turns[:limit], turns[limit:]
+
+
 def _generate(engine, drafter: str, method, messages: list[dict], max_tokens: int, k: int):
     from service.decoding import SamplingParams, SpeculativeConfig, run_alone
     from service.decoding.text import encode_chat
@@ -286,9 +314,13 @@ def _ratio(a: float, b: float) -> float:
 
 
 def _report(results, per_family, tallies, args, notes) -> list[str]:
+    served = (
+        f"({args.tools} tool loops x 5 turns, {args.code} code conversations x 3, {args.extract} invoices)"
+        if args.workload == "agentic"
+        else f"(the {args.workload} workload's first {args.limit} prompts, up to {args.max_tokens} tokens each)"
+    )
     lines = [
-        f"{len(tallies['vanilla'].outputs)} turns ({args.tools} tool loops x 5 turns, {args.code} code "
-        f"conversations x 3, {args.extract} invoices), greedy, strict `sd` with num_speculative_tokens "
+        f"{len(tallies['vanilla'].outputs)} turns {served}, greedy, strict `sd` with num_speculative_tokens "
         f"{args.num_speculative_tokens} for every speculative column, adaptive draft policy on measured costs.",
         "",
         "| column | tokens / forward | tok/s (whole call) | speedup | decode tok/s | decode speedup | turns != vanilla |",
@@ -309,6 +341,17 @@ def _report(results, per_family, tallies, args, notes) -> list[str]:
         cells = [f"{fams[f].tokens / max(fams[f].forwards, 1):.2f}" if f in fams else "" for f in families]
         lines.append(f"| {column} | " + " | ".join(cells) + " |")
     lines += ["", "Goals (issue 34):", ""]
+    if args.workload != "agentic":
+        for column in ("suffix", "combined-suffix"):
+            if column in results and "combined" in results:
+                got = _ratio(results[column]["tokens_per_forward"], results["combined"]["tokens_per_forward"])
+                speed = _ratio(results[column]["tokens_per_second"], results["combined"]["tokens_per_second"])
+                lines.append(
+                    f"- {column} on {args.workload}: {got:.2f}x the served default's (combined) tokens per "
+                    f"forward, {speed:.2f}x its speed (goal: no worse): {'met' if min(got, speed) >= 1 else 'missed'}"
+                )
+        lines += [f"- {note}" for note in notes]
+        return lines
     if "suffix" in results and "ngram" in results:
         got = _ratio(results["suffix"]["tokens_per_forward"], results["ngram"]["tokens_per_forward"])
         lines.append(

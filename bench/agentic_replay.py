@@ -12,7 +12,11 @@ tail a pooled answer carries) that the bench itself, at minutes per column, cann
 
 Columns: prompt lookup; the suffix drafter cold (a fresh replica serving the measured turns in order) and
 pooled (the same after the earlier traffic's answers, as a second replica's stream would give it); on every
-turn and on the first conversation of each family (where a replica starts).
+turn and on the first conversation of each family (where a replica starts). Last, the copy bound, cold and
+pooled: per round, the longest stretch of the answer ahead (at most k tokens) found anywhere in what the
+replica has seen (the turn's prompt, the answer so far, and, with the answer's prompt tail in front, every
+earlier answer it served or folded in). No drafter that copies from that text, knowing only the context,
+keeps more: it is the ceiling of suffix decoding on these answers, and what pooling could add at most.
 """
 
 from __future__ import annotations
@@ -59,6 +63,52 @@ def replay(drafter, turns: list[dict], k: int) -> tuple[dict[str, list[int]], li
         tally[0] += len(answer)
         tally[1] += forwards
         forwards_of.append(forwards)
+    return families, forwards_of
+
+
+def copy_bound(
+    turns: list[dict], k: int, earlier: list[dict] | None = None, tail: int = 8
+) -> tuple[dict[str, list[int]], list[int]]:
+    """`replay`'s figures for an oracle drafter that knows the answer and drafts the longest stretch of it
+    ahead that occurs anywhere in the text the replica has seen (module docstring): per family [tokens,
+    forwards], and per turn its forwards. `earlier`: answers served before (a pooled replica)."""
+    seen: set[tuple[int, ...]] = set()  # every stretch of up to k tokens of the earlier answers
+
+    def index(text: list[int], into: set[tuple[int, ...]]) -> None:
+        for start in range(len(text)):
+            for end in range(start + 1, min(start + k, len(text)) + 1):
+                into.add(tuple(text[start:end]))
+
+    for turn in earlier or []:
+        index(turn["prompt"][-tail:] + turn["output"], seen)
+    families: dict[str, list[int]] = {}
+    forwards_of: list[int] = []
+    for turn in turns:
+        prompt, answer = turn["prompt"], turn["output"]
+        own: set[tuple[int, ...]] = set()
+        index(prompt, own)
+        position = forwards = 0
+        while position < len(answer):
+            room = min(k, len(answer) - position - 1)
+            found = 0
+            while found < room:
+                stretch = tuple(answer[position : position + found + 1])
+                if stretch not in seen and stretch not in own:
+                    break
+                found += 1
+            kept = found + 1
+            # the answer so far joins what the replica has seen (its stretches ending in the kept tokens)
+            index_from = max(0, position - k)
+            for start in range(index_from, position + kept):
+                for end in range(max(start + 1, position + 1), min(start + k, position + kept) + 1):
+                    own.add(tuple(answer[start:end]))
+            position += kept
+            forwards += 1
+        tally = families.setdefault(turn["family"], [0, 0])
+        tally[0] += len(answer)
+        tally[1] += forwards
+        forwards_of.append(forwards)
+        index(prompt[-tail:] + answer, seen)
     return families, forwards_of
 
 
@@ -128,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         line(r["label"] + (" (cold)" if "pooled_families" in r else ""), r["families"], r["forwards"])
         if "pooled_families" in r:
             line(r["label"] + " (pooled)", r["pooled_families"], r["pooled_forwards"])
+    line("copy bound (cold)", *copy_bound(measured, k))
+    if earlier:
+        line("copy bound (pooled)", *copy_bound(measured, k, earlier))
     return 0
 
 
