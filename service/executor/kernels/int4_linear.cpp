@@ -4,7 +4,7 @@
 //
 // For row r, column n and block b, with the row's block quantised as x ~ a * xq (a = max|x| / 127, xq in
 // -127..127), s = the block's exact fp32 sum of x and c = 8 (s - a * sum xq):
-//     sum_k x_k w_k = d * sum_k (q_k - 8) x_k + (m + 8 d) s  ~  d * a * sum_k q_k xq_k + m * s + d * c
+//     sum_k x_k w_k = d * sum_k (q_k - 8) x_k + (m + 8 d) s  ~  d * (a * sum_k q_k xq_k + c) + m * s
 // The rounding errors of xq meet q - 8 (centred), not q (0..15): half the error of the plain product.
 //
 // Weight layout (made by `pack_int4` in int4_weights.py): columns in groups of 8, and per group and block 128
@@ -149,9 +149,11 @@ inline void group_rows(const uint8_t* __restrict w, const Scale* __restrict d, c
 #else
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs[t], ones));
 #endif
-      acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(a[t])), acc[t]);
+      // d (a dot + c) + m s: three fused operations a row and block (the vector pipes that run VNNI run
+      // these too, so past a few rows each one saved is ~1/12 of the kernel)
+      const __m256 scaled = _mm256_fmadd_ps(dot, _mm256_set1_ps(a[t]), _mm256_set1_ps(c[t]));
+      acc[t] = _mm256_fmadd_ps(dv, scaled, acc[t]);
       acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(s[t]), acc[t]);
-      acc[t] = _mm256_fmadd_ps(dv, _mm256_set1_ps(c[t]), acc[t]);
     }
   }
   for (int t = 0; t < T; ++t) {
@@ -180,9 +182,8 @@ inline void group_rows(const uint8_t* __restrict w, const Scale* __restrict d, c
         }
         const int64_t at = b * rows + r0 + t;
         const float dj = static_cast<float>(d[b * kColumns + j]);
-        y = std::fma(static_cast<float>(dot), dj * xs.scale[at], y);
+        y = std::fma(dj, std::fma(static_cast<float>(dot), xs.scale[at], xs.corrections[at]), y);
         y = std::fma(static_cast<float>(m[b * kColumns + j]), xs.sums[at], y);
-        y = std::fma(dj, xs.corrections[at], y);
       }
       out[t * out_stride + j] = static_cast<Out>(y);
     }
