@@ -352,23 +352,24 @@ class Batch:
         for name, indexes in by_drafter.items():
             budget = max(requests[i].max_tokens for i in indexes)  # type: ignore[union-attr]
             length, explore = self.policy.draft_length(name, len(indexes), len(self.running), budget)
-            if length <= 0:
-                continue
             if explore:
                 self._exploring.update(id(self.running[i]) for i in indexes)
+            # the policy's length bounds what costs: the positions a model drafts. A lookup drafts anyway (it
+            # costs nothing), so `combined` keeps its prompt-lookup drafts whole where the head sits out
             for i in indexes:
                 request = requests[i]
                 assert request is not None
-                requests[i] = dataclasses.replace(request, max_tokens=min(request.max_tokens, length))
+                requests[i] = dataclasses.replace(request, model_tokens=length)
             started = time.perf_counter()
             try:
                 proposed = self.drafters[name].propose([requests[i] for i in indexes])
-                self.policy.observe_drafting(
-                    name,
-                    time.perf_counter() - started,
-                    [d.key if d.tokens else None for d in proposed],
-                    max((len(d.tokens) for d in proposed), default=0),
-                )
+                if length > 0:  # what a drafted position costs is learnt from the rounds that paid for some
+                    self.policy.observe_drafting(
+                        name,
+                        time.perf_counter() - started,
+                        [d.key if d.tokens else None for d in proposed],
+                        min(length, max((len(d.tokens) for d in proposed), default=0)),
+                    )
             except Exception as exc:
                 log.warning(
                     "drafter %r failed for %d row(s) (%r); asking each row alone", name, len(indexes), exc

@@ -3,6 +3,7 @@ and in a batch), batched drafting, sampling distributions, the combined drafter,
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,25 @@ def test_combined_takes_prompt_lookup_where_it_matches_and_the_head_elsewhere(wo
     assert lookup.tokens == [5, 6, 2] and lookup.key == NGRAM_KEY_OFFSET + 3
     (expected,) = head_drafter.rows().propose([request("b", fresh, 3, state)])
     assert head.tokens == expected.tokens and head.key < NGRAM_KEY_OFFSET
+
+
+def test_the_policys_model_length_bounds_the_head_but_never_the_lookup(words, head_drafter):
+    """`model_tokens` (the draft policy's length) is what a position of the head costs: with 0 the head
+    drafts nothing and with 1 one token, while prompt lookup, free, drafts its whole budget either way."""
+    combined = CombinedDrafter(NgramDrafter(), head_drafter, min_match=3).rows()
+    state = torch.randn(words.model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    repeating = [2, 3, 4, 5, 6, 2, 3, 4]
+    fresh = [7, 8, 9, 10]
+    for model_tokens, head_length in ((0, 0), (1, 1)):
+        rows = [request("a", repeating, 3, state), request("b", fresh, 3, state)]
+        rows = [dataclasses.replace(row, model_tokens=model_tokens) for row in rows]
+        lookup, head = combined.propose(rows)
+        assert lookup.tokens == [5, 6, 2]
+        assert len(head.tokens) == head_length
+    (alone,) = head_drafter.rows().propose(
+        [dataclasses.replace(request("b", fresh, 3, state), model_tokens=0)]
+    )
+    assert alone.tokens == []
 
 
 def test_a_row_stops_drafting_where_the_head_is_unsure(words, head_drafter, monkeypatch):

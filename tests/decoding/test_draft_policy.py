@@ -231,3 +231,50 @@ def test_a_batch_runs_a_dear_drafter_only_when_it_pays_and_stays_lossless(embedd
     # would have cut it to nothing
     drafted = [s.round.num_draft_tokens for s in rounds]
     assert len(rounds) // 4 - 1 <= sum(1 for d in drafted if d) <= len(rounds) // 4 + 1, drafted
+
+
+def test_prompt_lookup_in_combined_drafts_where_the_policy_gives_the_head_nothing(embedded):
+    """The served default (`combined`: prompt lookup where it matches, the head elsewhere) with a policy that
+    has learned the head's drafts are rejected and dear: the head drafts nothing, yet prompt lookup, which
+    costs nothing, still drafts its whole budget on a prompt the answer copies (before, the policy's length
+    0 for `combined` skipped its free lookup too, and a length of 2 cut every lookup draft to 2 tokens);
+    greedy SD still says what plain decoding says."""
+    from ocm_store import InMemoryStore, Namespace
+    from service.decoding import (
+        CombinedDrafter,
+        Engine,
+        HeadDrafter,
+        NgramDrafter,
+        SamplingParams,
+        SpeculativeConfig,
+        run_alone,
+    )
+    from service.decoding.draft_head import EMBEDDED_HEAD_DIR
+    from service.decoding.text import encode_chat
+
+    policy = DraftPolicy([0.02 * (1 + 0.02 * n) for n in range(8)], explore_every=1000)
+    for key in (0, 1, 2):  # the head's confidence buckets: every draft rejected, a position 5 forwards' time
+        for _ in range(50):
+            policy.observe("combined", key, drafted=6, kept=0)
+    policy.observe_drafting("combined", seconds=0.1, keys=[0, 1, 2], positions=1)
+    assert policy.draft_length("combined", 1, 1, 6) == (0, False)
+    drafter = CombinedDrafter(NgramDrafter(), HeadDrafter(embedded, EMBEDDED_HEAD_DIR))
+    engine = Engine(
+        embedded,
+        {"combined": drafter},
+        {"combined": InMemoryStore().memory(Namespace("t", "c", "v"))},
+        policy,
+    )
+    text = (
+        "Repeat exactly: one two three four five six seven eight nine ten, one two three four five six seven"
+    )
+    ids = encode_chat(embedded.tokenizer, [{"role": "user", "content": text}])
+    sampling = SamplingParams(max_tokens=32)
+    plain = engine.generate(ids, sampling, SpeculativeConfig(method="vanilla"), "combined")
+    list(run_alone(plain))
+    generation = engine.generate(ids, sampling, SpeculativeConfig(method="sd"), "combined")
+    rounds = list(run_alone(generation))
+    assert [t.token_id for t in generation.tokens] == [t.token_id for t in plain.tokens]
+    drafted = [s.round.num_draft_tokens for s in rounds]
+    assert max(drafted) > 2, drafted  # whole lookup drafts, not cut to the head's length
+    assert policy.draft_length("combined", 1, 1, 6) == (0, False)  # the head still sits out

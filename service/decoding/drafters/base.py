@@ -13,6 +13,10 @@ What a row offers every drafter:
 - `target_hidden`: the target's final hidden state (its LM head's input) at the position that chose the
   last committed token: what a draft head on the target's features starts from.
 - `max_tokens`: the most draft tokens the row may verify this round (its token budget and context room).
+- `model_tokens`: the most positions a drafter that runs a model (the head, a draft model) may draft for it
+  this round: the draft policy's choice (`DraftPolicy.draft_length`), weighed against what a position
+  costs. A lookup (prompt lookup, suffix) costs nothing and drafts up to `max_tokens` whatever it is, so
+  `combined` keeps its lookup drafts whole where the policy gives the head no position at all.
 """
 
 from __future__ import annotations
@@ -55,6 +59,15 @@ class DraftRow:
     # whose earlier outputs may shape this row's draft, and which pool its output joins (the API's tenant;
     # `SpeculativeConfig.draft_pool`); None: the row's own text only
     pool: str | None = None
+    # the most positions a model-run drafter may draft (the draft policy's length); None: max_tokens
+    model_tokens: int | None = None
+
+    @property
+    def model_limit(self) -> int:
+        """How far a drafter that runs a model drafts this row: `max_tokens`, or less where the policy says."""
+        return (
+            self.max_tokens if self.model_tokens is None else max(0, min(self.max_tokens, self.model_tokens))
+        )
 
 
 class BatchDrafter(Protocol):

@@ -92,7 +92,7 @@ class HeadRows(Stateless):
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[DraftRow]) -> list[Draft]:
-        ready = [i for i, row in enumerate(rows) if row.target_hidden is not None]
+        ready = [i for i, row in enumerate(rows) if row.target_hidden is not None and row.model_limit > 0]
         drafts = [Draft([]) for _ in rows]
         if not ready:
             return drafts
@@ -102,7 +102,7 @@ class HeadRows(Stateless):
         temperature = head.config.confidence_temperature
         last = torch.tensor([rows[i].committed[-1] for i in ready], device=state.device)
         greedy = all(rows[i].sampling.greedy for i in ready)
-        limits = [rows[i].max_tokens for i in ready]
+        limits = [rows[i].model_limit for i in ready]
         tokens: list[list[int]] = [[] for _ in ready]
         probs: list[list[torch.Tensor]] = [[] for _ in ready]
         first_confidence: list[float] = []

@@ -84,12 +84,12 @@ class ModelDraftRows:
     def propose(self, rows: Sequence[DraftRow]) -> list[Draft]:
         """Drafts for `rows`; the batch's other sequences sit the round out (they catch up the next time
         they draft)."""
-        if not rows:
-            return []
+        if not any(row.model_limit > 0 for row in rows):
+            return [Draft([]) for _ in rows]
         for row in rows:
             if row.sequence not in self.keys:
                 self._join(row.sequence)
-        wanted = {row.sequence: row for row in rows}
+        wanted = {row.sequence: row for row in rows if row.model_limit > 0}
         feeds: list[list[int]] = []
         for index, key in enumerate(self.keys):
             cached = self.cached[index]
@@ -103,7 +103,7 @@ class ModelDraftRows:
             self.kv.keep(index, keep)
             del cached[keep:]
             feeds.append(list(committed[keep:]))
-        positions = max(row.max_tokens for row in rows)
+        positions = max(row.model_limit for row in wanted.values())
         tokens: dict[object, list[int]] = {key: [] for key in wanted}
         probs: dict[object, list[torch.Tensor]] = {key: [] for key in wanted}
         for i in range(positions):
@@ -112,7 +112,7 @@ class ModelDraftRows:
             next_feeds: list[list[int]] = []
             for index, key in enumerate(self.keys):
                 fed = feeds[index]
-                if key not in wanted or i >= wanted[key].max_tokens:  # this row fed a dummy: drop it again
+                if key not in wanted or i >= wanted[key].model_limit:  # this row fed a dummy: drop it again
                     self.kv.keep(index, bases[index])
                     next_feeds.append([self.cached[index][-1] if self.cached[index] else 0])
                     continue
@@ -126,6 +126,8 @@ class ModelDraftRows:
         self.kv.settle()
         return [
             Draft(tokens[row.sequence], torch.stack(probs[row.sequence]) if probs[row.sequence] else None)
+            if row.sequence in wanted
+            else Draft([])
             for row in rows
         ]
 
