@@ -17,6 +17,13 @@ pooled: per round, the longest stretch of the answer ahead (at most k tokens) fo
 replica has seen (the turn's prompt, the answer so far, and, with the answer's prompt tail in front, every
 earlier answer it served or folded in). No drafter that copies from that text, knowing only the context,
 keeps more: it is the ceiling of suffix decoding on these answers, and what pooling could add at most.
+
+`--forward-ms 1:10.2,2:11.1,4:12.5,8:16.5,16:29.3` (a forward's milliseconds by width, e.g. bench.forward's)
+adds the rounds as served: the draft policy (service/decoding/draft_policy.py, as the engine calls it: how far
+to draft, then each draft's cap, then what was kept) on that cost table, with each drafter's measured drafting
+time, giving tokens per forward under the policy and a modelled speed (the forwards' costs and the drafting,
+no prefill). A fixed cost table takes out what moves the bench's own figures from run to run (the table it
+measures at start), so drafter settings compare on the same policy decisions.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -64,6 +72,67 @@ def replay(drafter, turns: list[dict], k: int) -> tuple[dict[str, list[int]], li
         tally[1] += forwards
         forwards_of.append(forwards)
     return families, forwards_of
+
+
+def policy_replay(drafter, name: str, turns: list[dict], k: int, policy) -> tuple[int, int, float]:
+    """Serve `turns` through `drafter` with `policy` (a DraftPolicy with a cost table) choosing how far to draft
+    and what to verify, as the engine's round does: (answer tokens, forwards, modelled seconds: each forward's
+    table cost plus the measured drafting time)."""
+    from service.decoding import SamplingParams
+    from service.decoding.draft_policy import RowAcceptance, RowOffer
+    from service.decoding.drafters import DraftRow
+
+    rows = drafter.rows()
+    tokens = forwards = 0
+    seconds = 0.0
+    for turn in turns:
+        sequence, prompt, answer = object(), turn["prompt"], turn["output"]
+        rows.prefill(sequence, prompt[:-1])  # what the engine's prefill hands every drafter
+        own = RowAcceptance()
+        position = 0
+        while position < len(answer):
+            room = min(k, len(answer) - position - 1)
+            draft, cap = None, 0
+            length, explore = policy.draft_length(name, 1, 1, room) if room > 0 else (0, False)
+            if length > 0:
+                row = DraftRow(
+                    sequence, prompt + answer[:position], length, SamplingParams(), None, None, "p"
+                )
+                started = time.perf_counter()
+                draft = rows.propose([row])[0]
+                drafting = time.perf_counter() - started
+                seconds += drafting
+                policy.observe_drafting(
+                    name, drafting, [draft.key if draft.tokens else None], len(draft.tokens)
+                )
+                if draft.tokens:
+                    offer = RowOffer(name, draft.key, len(draft.tokens), own)
+                    cap = len(draft.tokens) if explore else policy.choose_rows([offer], rows=1)[0]
+            kept = lcp(draft.tokens[:cap], answer[position:]) if cap else 0
+            if cap:
+                policy.observe(name, draft.key, cap, kept)
+                own.observe(cap, kept)
+            seconds += policy.cost(1, 1 + cap)
+            forwards += 1
+            position += kept + 1
+        rows.propose([DraftRow(sequence, prompt + answer, 1, SamplingParams(), None, None, "p")])
+        rows.leave(sequence)
+        tokens += len(answer)
+    return tokens, forwards, seconds
+
+
+def forward_costs(spec: str):
+    """'1:10.2,2:11.1,...' (width: milliseconds) -> ForwardCosts for one row, linear between the widths."""
+    from service.decoding.draft_policy import ForwardCosts
+
+    points = sorted((int(w), float(ms) / 1000) for w, ms in (item.split(":") for item in spec.split(",")))
+    table = []
+    for width in range(1, points[-1][0] + 1):
+        below = max((p for p in points if p[0] <= width), default=points[0])
+        above = min((p for p in points if p[0] >= width), default=points[-1])
+        share = 0.0 if above[0] == below[0] else (width - below[0]) / (above[0] - below[0])
+        table.append(below[1] + share * (above[1] - below[1]))
+    return ForwardCosts.single_row(table)
 
 
 def copy_bound(
@@ -122,7 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-speculative-tokens", type=int, default=16)
     p.add_argument("--factors", default="1,4", help="suffix drafter max_spec_factor values to compare")
     p.add_argument("--tails", default="0,8", help="suffix drafter prompt_tail values to compare")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    p.add_argument(
+        "--forward-ms",
+        default=None,
+        help="width:ms,... a forward's cost table: also replay under the draft policy",
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
+    from bench.machine import start_run
     from service.decoding.drafters.ngram import NgramDrafter
     from service.decoding.drafters.suffix import SuffixDrafter
 
@@ -154,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
     families = sorted({t["family"] for t in measured})
+    command, machine = start_run("bench.agentic_replay", argv, 1)
+    print(f"Command: `{command}`\n\nMachine: {machine}\n")
     print(f"{len(measured)} turns, {len(earlier)} earlier turns, k = {k}, every draft verified in full\n")
     print(
         "| drafter | tokens / forward | "
@@ -181,7 +259,35 @@ def main(argv: list[str] | None = None) -> int:
     line("copy bound (cold)", *copy_bound(measured, k))
     if earlier:
         line("copy bound (pooled)", *copy_bound(measured, k, earlier))
+    if args.forward_ms:
+        _policy_table(args.forward_ms, measured, earlier, k)
     return 0
+
+
+def _policy_table(spec: str, measured: list[dict], earlier: list[dict], k: int) -> None:
+    from service.decoding.draft_policy import DraftPolicy
+    from service.decoding.drafters.ngram import NgramDrafter
+    from service.decoding.drafters.suffix import SuffixDrafter
+
+    costs = forward_costs(spec)
+    print(
+        f"\nUnder the draft policy, forward costs {spec} ms (modelled speed: forwards and drafting, no prefill):\n"
+    )
+    print("| drafter | tokens / forward | modelled tok/s | x vanilla |\n|---|---|---|---|")
+    vanilla = 1 / costs(1, 1)
+    print(f"| vanilla | 1.00 | {vanilla:.1f} | 1.00x |")
+
+    def show(label: str, tokens: int, forwards: int, seconds: float) -> None:
+        print(
+            f"| {label} | {tpf(tokens, forwards):.2f} | {tokens / seconds:.1f} | {tokens / seconds / vanilla:.2f}x |"
+        )
+
+    show("ngram", *policy_replay(NgramDrafter(), "ngram", measured, k, DraftPolicy(costs)))
+    show("suffix (cold)", *policy_replay(SuffixDrafter(), "suffix", measured, k, DraftPolicy(costs)))
+    if earlier:
+        pooled = SuffixDrafter()
+        policy_replay(pooled, "suffix", earlier, k, DraftPolicy(costs))  # replica A, on its own policy
+        show("suffix (pooled)", *policy_replay(pooled, "suffix", measured, k, DraftPolicy(costs)))
 
 
 if __name__ == "__main__":
