@@ -19,8 +19,8 @@ earlier answer it served or folded in). No drafter that copies from that text, k
 keeps more: it is the ceiling of suffix decoding on these answers, and what pooling could add at most.
 
 `--forward-ms 1:10.2,2:11.1,4:12.5,8:16.5,16:29.3` (a forward's milliseconds by width, e.g. bench.forward's)
-adds the rounds as served: the draft policy (service/decoding/draft_policy.py, as the engine calls it: how far
-to draft, then each draft's cap, then what was kept) on that cost table, with each drafter's measured drafting
+adds the rounds as served: the draft policy (service/decoding/draft_policy.py, as Batch._propose and _cap call
+it: how far a model drafts, each draft's cap, then what was kept) on that cost table, with each drafter's measured drafting
 time, giving tokens per forward under the policy and a modelled speed (the forwards' costs and the drafting,
 no prefill). A fixed cost table takes out what moves the bench's own figures from run to run (the table it
 measures at start), so drafter settings compare on the same policy decisions.
@@ -93,18 +93,21 @@ def policy_replay(drafter, name: str, turns: list[dict], k: int, policy) -> tupl
         while position < len(answer):
             room = min(k, len(answer) - position - 1)
             draft, cap = None, 0
-            length, explore = policy.draft_length(name, 1, 1, room) if room > 0 else (0, False)
-            if length > 0:
+            if room > 0:
+                # as Batch._propose: the policy's length bounds a model's drafting (model_tokens); a lookup
+                # drafts its budget, and drafting time is learnt from the rounds that paid for some positions
+                length, explore = policy.draft_length(name, 1, 1, room)
+                context = prompt + answer[:position]
                 row = DraftRow(
-                    sequence, prompt + answer[:position], length, SamplingParams(), None, None, "p"
+                    sequence, context, room, SamplingParams(), None, None, "p", model_tokens=length
                 )
                 started = time.perf_counter()
                 draft = rows.propose([row])[0]
                 drafting = time.perf_counter() - started
                 seconds += drafting
-                policy.observe_drafting(
-                    name, drafting, [draft.key if draft.tokens else None], len(draft.tokens)
-                )
+                if length > 0:
+                    keys = [draft.key if draft.tokens else None]
+                    policy.observe_drafting(name, drafting, keys, min(length, len(draft.tokens)))
                 if draft.tokens:
                     offer = RowOffer(name, draft.key, len(draft.tokens), own)
                     cap = len(draft.tokens) if explore else policy.choose_rows([offer], rows=1)[0]
