@@ -117,7 +117,7 @@ def test_the_request_index_drafts_what_the_rule_says(seed):
     factor = rng.choice([1.0, 4.0])
     floor = rng.choice([0.1, 0.3])
     text = [rng.randrange(alphabet) for _ in range(rng.randrange(5, 120))]
-    index = SequenceIndex(depth)
+    index = SequenceIndex(depth, max_occurrences=1000)  # every occurrence: the rule as stated
     done = 0
     while done < len(text):
         step = rng.randrange(1, 9)
@@ -137,6 +137,20 @@ def test_the_request_index_counts_only_occurrences_that_continue_and_prefers_the
     ties = SequenceIndex(24)
     ties.append([7, 5, 0, 7, 6, 0, 7])  # after 7: 5 once, then 6 once: the latest wins the tie
     assert ties.speculate(1, 4.0, 0.0, 0.1).tokens == [6]
+
+
+def test_the_request_index_narrows_only_the_most_recent_occurrences():
+    """A bound on the work of a proposal on degenerate text: only the last token's `max_occurrences` latest
+    occurrences are narrowed, so an older, longer match is not seen."""
+    old_match, recent = [1, 2, 3, 9, 9], [[7, 3, 4] for _ in range(3)]
+    text = [*old_match, *sum(recent, []), 1, 2, 3]
+    for cap, draft in ((100, [9, 9, 7]), (3, [4, 7, 3])):
+        index = SequenceIndex(24, max_occurrences=cap)
+        index.append(text)
+        assert index.speculate(3, 4.0, 0.0, 0.1).tokens == draft
+    degenerate = SequenceIndex(24)
+    degenerate.append([5] * 4000)
+    assert degenerate.speculate(16, 4.0, 0.0, 0.1).tokens == [5] * 16
 
 
 def test_the_request_index_drafts_past_its_match_depth():
