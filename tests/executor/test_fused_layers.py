@@ -220,11 +220,17 @@ def test_a_fused_layer_computes_what_the_layer_itself_does(kernels, fused):
     finally:
         hook.remove()
     layer = model.model.layers[7]
+    kwargs = {**inputs["kwargs"], "cache": None}
+    # the lean decoder forward leaves causality to the fused attention (no mask); transformers' own layer
+    # reads no mask as no masking, so it is given the causal mask spelled out
+    assert kwargs["attention_mask"] is None
+    n = inputs["args"][0].shape[1]
+    kwargs["attention_mask"] = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
     with torch.inference_mode():
-        got = layer(*inputs["args"], **{**inputs["kwargs"], "cache": None})
+        got = layer(*inputs["args"], **kwargs)
         # transformers' own forward of the same module: eager norms, RoPE and row-aligned attention around
         # the same 4-bit matmuls
-        want = type(layer).forward(layer, *inputs["args"], **{**inputs["kwargs"], "cache": None})
+        want = type(layer).forward(layer, *inputs["args"], **kwargs)
     assert got.shape == want.shape
     assert float((got - want).norm() / want.norm()) < 1e-3
 
@@ -288,3 +294,33 @@ def test_a_layer_neither_kernel_can_hold_stays_dense(kernels):
     assert quantize_linear_layers(model) == 1
     assert [type(m).__name__ for m in model] == ["Linear", "Linear", "Int4Linear"]
     assert model[2]._kernel is not None
+
+
+def test_the_lean_decoder_forward_gives_transformers_logits_in_a_ragged_batch(kernels, fused):
+    """A fused Llama decoder runs `_lean_decoder_forward` (its own mask, no `create_causal_mask`): a batch of
+    rows with contexts of different lengths (padding masks in play) and a 2-token round give the same logits,
+    bit for bit, as transformers' `LlamaModel.forward` around the same fused layers."""
+    from service.executor.batch_kv import BatchKV
+
+    decoder = fused.model.get_decoder()
+    lean = decoder.__dict__["forward"]
+    assert lean.__func__.__name__ == "_lean_decoder_forward"
+    prompt = encode_chat(fused.tokenizer, [{"role": "user", "content": "Name three rivers and their seas."}])
+
+    def ragged_round() -> torch.Tensor:
+        kv = BatchKV(fused.model, fused.device)
+        for row in range(3):
+            own = BatchKV(fused.model, fused.device, rows=1)
+            own.forward([prompt[: len(prompt) - 4 * row]], logits_to_keep=1)
+            kv.add(own)
+        return kv.forward([[11, 12], [13], [14, 15]])
+
+    with torch.inference_mode():
+        mine = ragged_round()
+        del decoder.forward  # transformers' own forward, for the reference
+        try:
+            theirs = ragged_round()
+        finally:
+            decoder.forward = lean
+    assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[2], theirs[2])
+    assert torch.equal(mine[1, :1], theirs[1, :1])  # row 1 fed one token: its padded position is noise
