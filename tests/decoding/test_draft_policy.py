@@ -205,9 +205,8 @@ def test_a_batch_runs_a_dear_drafter_only_when_it_pays_and_stays_lossless(embedd
     (every fourth round the policy would skip), those drafts are verified in full, and greedy SD still says
     what plain decoding says."""
     from ocm_store import InMemoryStore, Namespace
-    from service.decoding import Engine, HeadDrafter, SamplingParams, SpeculativeConfig, run_alone
+    from service.decoding import Engine, HeadDrafter
     from service.decoding.draft_head import EMBEDDED_HEAD_DIR
-    from service.decoding.text import encode_chat
 
     policy = DraftPolicy([c * 0.02 for c in DEAR_WIDTH], explore_every=4)
     for key in (0, 1, 2):
@@ -220,13 +219,7 @@ def test_a_batch_runs_a_dear_drafter_only_when_it_pays_and_stays_lossless(embedd
         {"head": InMemoryStore().memory(Namespace("t", "head", "v"))},
         policy,
     )
-    ids = encode_chat(embedded.tokenizer, [{"role": "user", "content": "Name three colours."}])
-    sampling = SamplingParams(max_tokens=24)
-    plain = engine.generate(ids, sampling, SpeculativeConfig(method="vanilla"), "head")
-    list(run_alone(plain))
-    generation = engine.generate(ids, sampling, SpeculativeConfig(method="sd"), "head")
-    rounds = list(run_alone(generation))
-    assert [t.token_id for t in generation.tokens] == [t.token_id for t in plain.tokens]
+    rounds = strict_rounds_equal_to_plain(engine, "Name three colours.", 24, "head")
     # every fourth round drafts, and its draft is verified: the cap, which has learned the same rejections,
     # would have cut it to nothing
     drafted = [s.round.num_draft_tokens for s in rounds]
@@ -245,12 +238,8 @@ def test_prompt_lookup_in_combined_drafts_where_the_policy_gives_the_head_nothin
         Engine,
         HeadDrafter,
         NgramDrafter,
-        SamplingParams,
-        SpeculativeConfig,
-        run_alone,
     )
     from service.decoding.draft_head import EMBEDDED_HEAD_DIR
-    from service.decoding.text import encode_chat
 
     policy = DraftPolicy([0.02 * (1 + 0.02 * n) for n in range(8)], explore_every=1000)
     for key in (0, 1, 2):  # the head's confidence buckets: every draft rejected, a position 5 forwards' time
@@ -268,13 +257,24 @@ def test_prompt_lookup_in_combined_drafts_where_the_policy_gives_the_head_nothin
     text = (
         "Repeat exactly: one two three four five six seven eight nine ten, one two three four five six seven"
     )
-    ids = encode_chat(embedded.tokenizer, [{"role": "user", "content": text}])
-    sampling = SamplingParams(max_tokens=32)
-    plain = engine.generate(ids, sampling, SpeculativeConfig(method="vanilla"), "combined")
-    list(run_alone(plain))
-    generation = engine.generate(ids, sampling, SpeculativeConfig(method="sd"), "combined")
-    rounds = list(run_alone(generation))
-    assert [t.token_id for t in generation.tokens] == [t.token_id for t in plain.tokens]
+    rounds = strict_rounds_equal_to_plain(engine, text, 32, "combined")
     drafted = [s.round.num_draft_tokens for s in rounds]
     assert max(drafted) > 2, drafted  # whole lookup drafts, not cut to the head's length
     assert policy.draft_length("combined", 1, 1, 6) == (0, False)  # the head still sits out
+
+
+def strict_rounds_equal_to_plain(engine, text: str, max_tokens: int, drafter: str) -> list:
+    """Greedy strict SD's rounds on the embedded model's chat prompt `text`, after checking that its tokens
+    are plain decoding's."""
+    from service.decoding import SamplingParams, SpeculativeConfig, run_alone
+    from service.decoding.text import encode_chat
+
+    tokenizer = engine.target.tokenizer
+    ids = encode_chat(tokenizer, [{"role": "user", "content": text}])
+    sampling = SamplingParams(max_tokens=max_tokens)
+    plain = engine.generate(ids, sampling, SpeculativeConfig(method="vanilla"), drafter)
+    list(run_alone(plain))
+    generation = engine.generate(ids, sampling, SpeculativeConfig(method="sd"), drafter)
+    rounds = list(run_alone(generation))
+    assert [t.token_id for t in generation.tokens] == [t.token_id for t in plain.tokens]
+    return rounds
