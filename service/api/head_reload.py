@@ -64,6 +64,8 @@ def _swap(runtime: Runtime, new: HeadDrafter) -> tuple[str, list[tuple[Namespace
     assert isinstance(running, HeadDrafter)
     running.take_weights(new)
     drafters = {n: runtime.engine.drafters[n] for n in HEAD_DRAFTERS if n in runtime.engine.drafters}
+    for name in drafters:  # another head's acceptance and cost say nothing of this one's: learn them afresh
+        runtime.engine.policy.forget(name)
     changed = []
     for name, namespace in ocm_namespaces(runtime.target, drafters).items():
         retired = runtime.namespaces.get(name)

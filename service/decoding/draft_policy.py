@@ -285,6 +285,17 @@ class DraftPolicy:
                     return budget, True
             return best_length, False
 
+    def forget(self, drafter: str) -> None:
+        """Drop what was learnt of `drafter` (survival per key, its keys' frequencies, a position's cost):
+        its weights changed (a reloaded draft head), so the next rounds measure it afresh, drafting in full
+        until they have, instead of judging the new drafter by the old one's record."""
+        with self._lock:
+            for entry in [entry for entry in self._survival if entry[0] == drafter]:
+                del self._survival[entry]
+            self._keys.pop(drafter, None)
+            self._draft_seconds.pop(drafter, None)
+            self._undrafted.pop(drafter, None)
+
     def _prefix(self, offer: RowOffer, length: int) -> list[float]:
         """P(first i kept), i = 1..length, for one row (call with the lock held)."""
         survival = self._survival.get((offer.drafter, offer.key)) or _Survival()

@@ -278,3 +278,18 @@ def strict_rounds_equal_to_plain(engine, text: str, max_tokens: int, drafter: st
     rounds = list(run_alone(generation))
     assert [t.token_id for t in generation.tokens] == [t.token_id for t in plain.tokens]
     return rounds
+
+
+def test_a_forgotten_drafter_is_measured_afresh():
+    """A reloaded draft head is not judged by the old head's record: after `forget` the policy drafts it in
+    full again (unmeasured), and what it learnt of other drafters stays."""
+    policy = DraftPolicy(DEAR_WIDTH, explore_every=1000)
+    for name in ("head", "dear"):
+        for _ in range(50):
+            policy.observe(name, 0, drafted=6, kept=0)
+            policy.observe_drafting(name, seconds=0.06 * 6, keys=[0], positions=6)
+    assert policy.draft_length("head", 1, 1, 6) == (0, False)
+    policy.forget("head")
+    assert policy.draft_length("head", 1, 1, 6) == (6, False)
+    assert policy.choose("head", 0, 6) > 0  # the optimistic prior again
+    assert policy.draft_length("dear", 1, 1, 6) == (0, False)
