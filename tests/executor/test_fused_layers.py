@@ -120,22 +120,31 @@ def test_the_4bit_kernel_gives_a_row_the_same_bits_for_any_row_and_thread_count(
         torch.set_num_threads(before)
 
 
-def test_the_vnni_build_gives_the_avx2_builds_bits(kernels, monkeypatch):
-    """On a CPU with VNNI the kernel sums a block's bytes with it; the integers, and so every output's bits,
-    must be those of the AVX2 build that CPUs without it run (what a fleet of mixed CPUs serving one model
-    and a capped test run rely on)."""
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # native.build adds -mno-avx512f
-    capped = native.build("int4_linear")
-    assert capped is not None
-    if "vnni" not in kernels.isa() or "vnni" in capped.isa():
-        pytest.skip(f"this CPU's build ({kernels.isa()}) has no VNNI path to compare with AVX2's")
+@pytest.mark.parametrize("cap", ["avx2", "default"])
+def test_every_build_of_the_kernels_gives_the_same_bits(kernels, monkeypatch, cap):
+    """This CPU's build (VNNI where it has it), the AVX2 build that CPUs without AVX-512 run, and the portable
+    loops that CPUs without AVX2 (or x86) run must give every 4-bit product and attention output the same bits:
+    what a fleet of mixed CPUs serving one model, and a capped test run, rely on. (Compare on the same inputs:
+    torch's own random generator fills tensors differently under a dispatch cap.)"""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)  # native.build adds -mno-avx512f, or -mno-avx
+    other = native.build("int4_linear")
+    assert other is not None
+    if other.isa() == kernels.isa():
+        pytest.skip(f"this CPU's build is already the {cap} one ({kernels.isa()})")
+    assert other.isa() == ("portable" if cap == "default" else other.isa())
     (packed, scale, low), _ = int4_weight(208, 1536, seed=6)
     x = torch.randn(11, 1536, generator=torch.Generator().manual_seed(7)) * 3
     for count in (1, 3, 4, 8, 11):
         rows = x[:count].contiguous()
         assert torch.equal(
-            kernels.int4_linear(rows, packed, scale, low), capped.int4_linear(rows, packed, scale, low)
+            kernels.int4_linear(rows, packed, scale, low), other.int4_linear(rows, packed, scale, low)
         )
+    q, k, v = gqa_inputs(2, 5, 40, seed=9)
+    seen = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    seen[1, ..., :7] = False
+    mask = seen & (torch.arange(40)[None, :] <= torch.arange(35, 40)[:, None])
+    for given in (None, mask):
+        assert torch.equal(kernels.attention(q, k, v, given, 0.125), other.attention(q, k, v, given, 0.125))
 
 
 def test_the_4bit_kernel_refuses_what_it_cannot_read(kernels):

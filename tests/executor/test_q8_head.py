@@ -111,16 +111,18 @@ def test_the_kernel_gives_a_row_the_same_bits_for_any_row_count(kernel, threads)
     assert 0 < error < 0.01, error
 
 
-def test_the_vnni_build_gives_the_avx2_builds_bits(kernel, monkeypatch):
-    """VNNI's unsigned x signed dot products (activations offset by 128) and AVX2's sign trick sum the same
-    integers: a row's logits have the same bits on every CPU kind of a fleet."""
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # native.build adds -mno-avx512f
+@pytest.mark.parametrize("cap", ["avx2", "default"])
+def test_every_build_of_the_kernel_gives_the_same_bits(kernel, monkeypatch, cap):
+    """VNNI's unsigned x signed dot products (activations offset by 128), AVX2's sign trick and the portable
+    loop (CPUs without AVX2, or not x86) sum the same integers: a row's logits have the same bits on every CPU
+    kind of a fleet."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)  # native.build adds -mno-avx512f, or -mno-avx
     capped = native.build("q8_linear")
     assert capped is not None
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     here = native.build("q8_linear")
-    if "vnni" not in here.isa() or "vnni" in capped.isa():
-        pytest.skip(f"this CPU's build ({here.isa()}) has no VNNI path to compare with AVX2's")
+    if capped.isa() == here.isa():
+        pytest.skip(f"this CPU's build is already the {cap} one ({here.isa()})")
     _, q, scales = q8_weight(200, 576, seed=12)
     w, packed_scales, sums = pack_q8(q, scales)
     x = torch.randn(11, 576, generator=torch.Generator().manual_seed(13)) * 4

@@ -357,20 +357,22 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-// a dot product of length n (a multiple of 16) in 16 lanes summed in a fixed order: it vectorises, and every
-// call with the same inputs gives the same bits
+// a dot product of length n (a multiple of 16) in 16 lanes, each a chain of fused multiply-adds, summed in a
+// fixed order: it vectorises, and gives the bits of `attend_avx2`'s two 8-lane accumulators and `hsum8`, so a
+// CPU without AVX2 (or not x86) computes what the AVX2 build does
 inline float dot16(const float* __restrict a, const float* __restrict b, int64_t n) {
   float lanes[16] = {};
   for (int64_t i = 0; i < n; i += 16)
-    for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < 16; ++l) lanes[l] = std::fma(a[i + l], b[i + l], lanes[l]);
   for (int l = 0; l < 8; ++l) lanes[l] += lanes[l + 8];
   for (int l = 0; l < 4; ++l) lanes[l] += lanes[l + 4];
   return (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
 }
 
-// y += a * x over n floats (a multiple of 16): it vectorises (no aliasing), each lane alone
+// y += a * x over n floats (a multiple of 16), fused as `attend_avx2` does: it vectorises (no aliasing), each
+// lane alone
 inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+  for (int64_t i = 0; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
 }
 
 #if CSD_AVX2
