@@ -126,7 +126,7 @@ def test_every_build_of_the_kernels_gives_the_same_bits(kernels, monkeypatch, ca
     loops that CPUs without AVX2 (or x86) run must give every 4-bit product and attention output the same bits:
     what a fleet of mixed CPUs serving one model, and a capped test run, rely on. (Compare on the same inputs:
     torch's own random generator fills tensors differently under a dispatch cap.)"""
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)  # native.build adds -mno-avx512f, or -mno-avx
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)  # native.build adds -mno-avx512f -mno-avxvnni, or -mno-avx
     other = native.build("int4_linear")
     assert other is not None
     if other.isa() == kernels.isa():

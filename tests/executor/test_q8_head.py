@@ -116,7 +116,7 @@ def test_every_build_of_the_kernel_gives_the_same_bits(kernel, monkeypatch, cap)
     """VNNI's unsigned x signed dot products (activations offset by 128), AVX2's sign trick and the portable
     loop (CPUs without AVX2, or not x86) sum the same integers: a row's logits have the same bits on every CPU
     kind of a fleet."""
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)  # native.build adds -mno-avx512f, or -mno-avx
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)  # native.build adds -mno-avx512f -mno-avxvnni, or -mno-avx
     capped = native.build("q8_linear")
     assert capped is not None
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")

@@ -41,6 +41,13 @@ constexpr int64_t kGroupBytes = 256;  // one block of 8 columns
 // a block's scale: float16, as Q8_0 stores it; its weights' sum (at most 32 x 127) an int16: 4 bytes a block of
 // 32 weights beside its 32, where fp32 and int32 took 8
 using Scale = c10::Half;
+// How far ahead of its reads a tile asks for weight bytes (software prefetch): an LM head (28 MB for the
+// embedded model's 49,152 x 576) streams from memory, and the hardware prefetcher alone leaves one thread well
+// short of the memory's bandwidth (see int4_linear.cpp). The scales and sums (4 bytes a block of 32) as far.
+constexpr int64_t kPrefetchBytes = 8192;
+constexpr int64_t kPrefetchScales = kPrefetchBytes / 16;
+
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 
 // A call's activations quantised per block, block-major so that a tile's rows sit side by side for each block:
 // xq [K / 32, R, 32] (int8; offset by 128 as uint8 on the VNNI path), scales a [K / 32, R]. Held in buffers of
@@ -83,6 +90,11 @@ inline void group_rows(const int8_t* __restrict w, const Scale* __restrict s, co
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int8_t* wb = w + b * kGroupBytes;
+    for (int line = 0; line < 4; ++line) prefetch(wb + kPrefetchBytes + 64 * line);
+    if ((b & 3) == 0) {  // 16 bytes a block of each: one line every 4 blocks
+      prefetch(s + b * kColumns + kPrefetchScales);
+      prefetch(wsum + b * kColumns + kPrefetchScales);
+    }
     const int8_t* xb = xs.xq + (b * rows + r0) * kBlock;
 #if CSD_VNNI
     // C independent chains a row (`csd::kChains`)
@@ -139,6 +151,66 @@ inline void group_rows(const int8_t* __restrict w, const Scale* __restrict s, co
   }
 }
 
+#if CSD_AVX512
+// T rows times two neighbouring full groups of 8 columns (the second `group_bytes` / `group_scales` after the
+// first) in 512-bit vectors, low half the first group, high half the second: each lane goes through the
+// operations `group_rows` gives it, in the same order (the same bits), half the instructions a column
+template <int T>
+inline void group_pair_rows(const int8_t* __restrict w, const Scale* __restrict s, const int16_t* __restrict wsum,
+                            int64_t group_bytes, int64_t group_scales, const Quantised& xs, int64_t r0, int64_t rows,
+                            int64_t blocks, float* __restrict out, int64_t out_stride) {
+  __m512 acc[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* wb = w + b * kGroupBytes;
+    // ahead of the average of the two groups' reads: one run through both and on (int4_linear.cpp)
+    for (int line = 0; line < 8; ++line) prefetch(w + 2 * b * kGroupBytes + kPrefetchBytes + 64 * line);
+    if ((b & 1) == 0) {
+      prefetch(s + 2 * b * kColumns + kPrefetchScales);
+      prefetch(wsum + 2 * b * kColumns + kPrefetchScales);
+    }
+    const int8_t* xb = xs.xq + (b * rows + r0) * kBlock;
+    constexpr int C = csd::kChains<T>;
+    __m512i chains[T][C];
+    const __m256i wsums = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wsum + b * kColumns))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(wsum + group_scales + b * kColumns)), 1);
+    const __m512i start = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), _mm512_cvtepi16_epi32(wsums)), 7);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      chains[t][0] = start;
+#pragma GCC unroll 8
+      for (int c = 1; c < C; ++c) chains[t][c] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m512i v = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + group_bytes + 32 * i)), 1);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) {
+        int32_t x4;
+        std::memcpy(&x4, xb + t * kBlock + 4 * i, 4);
+        chains[t][i % C] = _mm512_dpbusd_epi32(chains[t][i % C], _mm512_set1_epi32(x4), v);
+      }
+    }
+    const __m512 sv = _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b * kColumns))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + group_scales + b * kColumns)), 1));
+    const float* a = xs.scale + b * rows + r0;
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      __m512i sum = chains[t][0];
+#pragma GCC unroll 8
+      for (int c = 1; c < C; ++c) sum = _mm512_add_epi32(sum, chains[t][c]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sv, _mm512_set1_ps(a[t])), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * out_stride, acc[t]);
+}
+#endif
+
 #else  // portable: the same arithmetic, one column at a time
 
 template <int T>
@@ -190,6 +262,17 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const to
       const Scale* sg = sp + g * blocks * kColumns;
       const int16_t* ug = up + g * blocks * kColumns;
       const int64_t columns = std::min<int64_t>(kColumns, n_out - g * kColumns);
+#if CSD_AVX512
+      if (g + 1 < end && (g + 2) * kColumns <= n_out) {  // two full groups at once (same bits)
+        csd::for_each_tile(rows, [&](auto size, int64_t r) {
+          constexpr int T = decltype(size)::value;
+          group_pair_rows<T>(wg, sg, ug, blocks * kGroupBytes, blocks * kColumns, xs, r, rows, blocks,
+                             op + r * n_out + g * kColumns, n_out);
+        });
+        ++g;
+        continue;
+      }
+#endif
       csd::for_each_tile(rows, [&](auto size, int64_t r) {
         constexpr int T = decltype(size)::value;
         group_rows<T>(wg, sg, ug, xs, r, rows, blocks, op + r * n_out + g * kColumns, n_out, columns);
@@ -199,7 +282,13 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const to
   return out;
 }
 
-std::string isa() { return csd::isa_name(); }
+std::string isa() {
+#if CSD_AVX512
+  return "avx512vnni";  // its tiles in 512-bit vectors
+#else
+  return csd::isa_name();
+#endif
+}
 
 }  // namespace
 
