@@ -145,6 +145,15 @@ def test_every_build_of_the_kernels_gives_the_same_bits(kernels, monkeypatch, ca
     mask = seen & (torch.arange(40)[None, :] <= torch.arange(35, 40)[:, None])
     for given in (None, mask):
         assert torch.equal(kernels.attention(q, k, v, given, 0.125), other.attention(q, k, v, given, 0.125))
+    # other head shapes: 8 query heads on one key head (groups split in chunks), 128 dimensions, a mask per head
+    generator = torch.Generator().manual_seed(10)
+    for heads, kv_heads, dim in ((8, 1, 64), (6, 2, 128), (5, 5, 64)):
+        q = torch.randn(2, heads, 3, dim, generator=generator)
+        k, v = (torch.randn(2, kv_heads, 30, dim, generator=generator) for _ in range(2))
+        per_head = torch.rand(2, heads, 3, 30, generator=generator) > 0.3
+        per_head[..., 0] = True
+        for given in (None, mask[..., :3, :30], per_head):
+            assert torch.equal(kernels.attention(q, k, v, given, 0.1), other.attention(q, k, v, given, 0.1))
 
 
 def test_the_4bit_kernel_refuses_what_it_cannot_read(kernels):
