@@ -29,7 +29,10 @@ then a few forwards under `torch.profiler`, whose per-operator self time splits 
 - attention: every operator inside the model's attention function (SDPA, or the row-aligned gathers, matmuls
   and softmax), found by a `record_function` scope around it (only while profiled);
 - other: the rest (norms, RoPE, SiLU, the cache's concatenation, masks, dtype casts);
-- host: the median wall time less all operators' self time: Python, module calls, dispatch, allocation.
+- host: the median wall time less all operators' self time: Python, module calls, dispatch, allocation. A
+  fused decoder runs its layers as one C++ call (`fused_layers`' `DecoderStack`) when timed, and one by one
+  under the profiler (the stack is one span it cannot split): its host time is the stack's wall time less the
+  per-layer path's operators, so it can read below zero.
 
 The bound beside them: the bytes of weights one forward reads once (every linear layer, the norms, the LM
 head; the embedding only by the rows it looks up, left out) over this run's memory read bandwidth (the best

@@ -66,6 +66,39 @@ class GrowingLayer(DynamicLayer):
         self._views = (self.keys, self.values)
         return self.keys, self.values
 
+    def reserve(
+        self, batch: int, heads: int, dim: int, count: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For a writer that puts `count` new positions into the buffers itself (the fused decoder stack):
+        the key and value buffers [batch, heads, capacity, dim], contiguous, with room for them after the
+        `held` positions returned; `advance(count)` then takes them in. None where the layer's shape is not
+        that (a caller then updates it as transformers does)."""
+        if not self.is_initialized:
+            self.lazy_initialization(torch.empty(0, dtype=dtype, device=device), torch.empty(0, dtype=dtype))
+        held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        if held and (tuple(self.keys.shape[:2]) != (batch, heads) or self.keys.shape[-1] != dim):
+            return None
+        if self.keys.dtype != dtype:
+            return None
+        needed = held + count
+        if (
+            not self._owns_views()
+            or self._key_buffer.shape[-2] < needed
+            or self._key_buffer.shape[0] != batch
+        ):
+            like = torch.empty((batch, heads, 0, dim), dtype=dtype, device=device)
+            capacity = needed + max(SPARE_POSITIONS, needed // 2)
+            self._key_buffer = self._grown(self.keys, like, held, capacity)
+            self._value_buffer = self._grown(self.values, like, held, capacity)
+        return self._key_buffer, self._value_buffer, held
+
+    def advance(self, count: int) -> None:
+        """Take in `count` positions written into the buffers after the held ones (`reserve`)."""
+        needed = (self.keys.shape[-2] if self.keys.dim() == 4 else 0) + count
+        self.keys = self._key_buffer.narrow(2, 0, needed)
+        self.values = self._value_buffer.narrow(2, 0, needed)
+        self._views = (self.keys, self.values)
+
     def crop(self, tokens_to_remove: int) -> None:
         owned = self._owns_views()
         super().crop(tokens_to_remove)  # a prefix view of the same buffers

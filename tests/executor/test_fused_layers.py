@@ -342,3 +342,71 @@ def test_the_lean_decoder_forward_gives_transformers_logits_in_a_ragged_batch(ke
             decoder.forward = lean
     assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[2], theirs[2])
     assert torch.equal(mine[1, :1], theirs[1, :1])  # row 1 fed one token: its padded position is noise
+
+
+def test_the_decoder_stack_gives_the_per_layer_paths_bits_cache_and_hooked_features(
+    kernels, fused, monkeypatch
+):
+    """A fused Llama decoder with a `GrowingLayer` cache runs its layers as one C++ call (`DecoderStack`),
+    writing keys and values into the cache's buffers: over a ragged batch's prefills, joins (the cache's layout
+    replaced), a 2-token round, a rollback and another round, its logits, every layer's cache and what forward
+    hooks on two layers see are those of the layer-by-layer path, bit for bit."""
+    from service.executor import fused_layers
+    from service.executor.batch_kv import BatchKV
+
+    decoder = fused.model.get_decoder()
+    stack = decoder._csd_stack
+    assert stack is not None
+    ran = []
+    real = fused_layers._stack_forward
+
+    def spy(*args):
+        out = real(*args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused_layers, "_stack_forward", spy)
+    prompt = encode_chat(fused.tokenizer, [{"role": "user", "content": "Name three rivers and their seas."}])
+
+    def rounds() -> tuple[list[torch.Tensor], list[tuple], BatchKV]:
+        seen = []
+        hooks = [
+            decoder.layers[i].register_forward_hook(
+                lambda _, args, output: seen.append((args[0].clone(), output.clone()))
+            )
+            for i in (0, 17)
+        ]
+        try:
+            kv = BatchKV(fused.model, fused.device)
+            for row in range(3):
+                own = BatchKV(fused.model, fused.device, rows=1)
+                own.forward([prompt[: len(prompt) - 4 * row]], logits_to_keep=1)
+                kv.add(own)
+            logits = [kv.forward([[11, 12], [13], [14, 15]])]
+            kv.keep(0, kv.length(0) - 1)  # row 0 keeps 1 of its 2, row 2 neither: holes, a dead tail
+            kv.keep(2, kv.length(2) - 2)
+            kv.settle()
+            logits.append(kv.forward([[21, 22, 23], [24], [25]]))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return logits, seen, kv
+
+    with torch.inference_mode():
+        mine, my_seen, my_kv = rounds()
+        assert ran and all(ran)  # every forward took the stack
+        ran.clear()
+        decoder._csd_stack = None
+        try:
+            theirs, their_seen, their_kv = rounds()
+        finally:
+            decoder._csd_stack = stack
+        assert ran and not any(ran)
+    for a, b in zip(mine, theirs, strict=True):
+        for row, fed in enumerate((2, 1, 2) if a.shape[1] == 2 else (3, 1, 1)):
+            assert torch.equal(a[row, :fed], b[row, :fed])
+    assert len(my_seen) == len(their_seen) == 2 * 5
+    for (a_in, a_out), (b_in, b_out) in zip(my_seen, their_seen, strict=True):
+        assert torch.equal(a_in, b_in) and torch.equal(a_out, b_out)
+    for a, b in zip(my_kv.cache.layers, their_kv.cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

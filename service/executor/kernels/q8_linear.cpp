@@ -295,6 +295,7 @@ std::string isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear,
         "x [R, K] fp32 times 8-bit block weights packed by q8_head.pack_q8 (w [N', K] int8, scales and weight "
-        "sums [N', K / 32]), N' the N outputs padded to a multiple of 8: [R, N] fp32");
+        "sums [N', K / 32]), N' the N outputs padded to a multiple of 8: [R, N] fp32",
+        pybind11::call_guard<pybind11::gil_scoped_release>());  // an LM head: its ~1 ms without the GIL
   m.def("isa", &isa, "the instruction set the kernel was built for");
 }
