@@ -25,8 +25,13 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 # -ffp-contract=off: the compiler fuses no multiply and add on its own, differently in one tile of rows than
-# in another, so a row's bits never depend on the rows beside it (the kernels fuse explicitly where they mean to)
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off")
+# in another, so a row's bits never depend on the rows beside it (the kernels fuse explicitly where they mean to).
+# -fopenmp: `at::parallel_for` is a header template whose OpenMP backend is a `#pragma omp parallel`; built
+# without the flag (as torch's `load` builds by default) it runs the whole range on the calling thread, so
+# every kernel ran on one thread whatever `--torch-threads` said. Linked with it, the kernels share torch's
+# own OpenMP runtime (its libgomp.so.1, already loaded by the same soname), pool and thread count.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
+LINK_FLAGS = ("-fopenmp",)
 
 
 def isa_flags() -> tuple[str, ...]:
@@ -66,7 +71,7 @@ def build(name: str) -> ModuleType | None:
                         header.read_bytes() for header in sorted(KERNELS.glob("*.h"))
                     ),  # what the sources include
                     str(source).encode(),  # ninja rebuilds when the build's source path changes
-                    " ".join(flags).encode(),
+                    " ".join([*flags, *LINK_FLAGS]).encode(),
                     torch.__version__.encode(),
                     " ".join(sorted(cpu_flags())).encode(),
                 ]
@@ -78,6 +83,7 @@ def build(name: str) -> ModuleType | None:
             name=f"csd_{name}_{key}",
             sources=[str(source)],
             extra_cflags=flags,
+            extra_ldflags=list(LINK_FLAGS),
             build_directory=str(folder),
             verbose=False,
         )
