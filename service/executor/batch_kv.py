@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from service.decoding.types import DecodingError
-from service.executor.kv_cache import crop_cache, new_cache
+from service.executor.kv_cache import GrowingLayer, crop_cache, new_cache
 
 # transformers hands grouped-query attention to torch's SDPA natively (`enable_gqa`) only when no mask is
 # passed; with our padding mask it would first copy every layer's cached keys and values once per query
@@ -144,6 +144,8 @@ class BatchKV:
             self.cache, self.slots, self.mask = other.cache, other.slots, other.mask
             return
         width = max(self.width, other.width)
+        if self.width and other.width and self._join_in_place(other, width):
+            return
         self._pad_left(width - self.width)
         other._pad_left(width - other.width)
         if width:
@@ -152,6 +154,40 @@ class BatchKV:
                 mine.values = torch.cat([mine.values, theirs.values], dim=0)
         self.mask = torch.cat([self.mask, other.mask], dim=0)
         self.slots.extend(other.slots)
+
+    def _join_in_place(self, other: BatchKV, width: int) -> bool:
+        """`add` for caches of `GrowingLayer`s: both batches' keys and values written once, left-padded with
+        zeros, into each layer's new buffers (with room to grow), where padding, concatenating and the next
+        forward's adoption of the result copied the cache three times (a request joining a running batch
+        paid that on every layer). False, with nothing changed, where a layer is of another kind."""
+        pairs = list(zip(self._layers(), other._layers(), strict=True))
+        if any(type(mine) is not GrowingLayer or mine.keys.dim() != 4 for mine, _ in pairs):
+            return False
+        rows = self.rows
+        for mine, theirs in pairs:
+            held = (mine.keys, mine.values)
+            keys, values = mine.fresh(rows + other.rows, width)
+            for out, first, second in ((keys, held[0], theirs.keys), (values, held[1], theirs.values)):
+                for part, rows_of in ((first, slice(0, rows)), (second, slice(rows, None))):
+                    pad = width - part.shape[2]
+                    out[rows_of, :, :pad].zero_()
+                    out[rows_of, :, pad:].copy_(part)
+        pad_self, pad_other = width - self.width, width - other.width
+        self.mask = torch.cat(
+            [
+                torch.cat(
+                    [torch.zeros((rows, pad_self), dtype=torch.bool, device=self.device), self.mask], 1
+                ),
+                torch.cat(
+                    [torch.zeros((other.rows, pad_other), dtype=torch.bool, device=self.device), other.mask],
+                    1,
+                ),
+            ],
+            dim=0,
+        )
+        self.slots = [[s + pad_self for s in slots] for slots in self.slots]
+        self.slots.extend([[s + pad_other for s in slots] for slots in other.slots])
+        return True
 
     def remove(self, rows: Sequence[int]) -> None:
         """Drop rows (finished or cancelled sequences)."""

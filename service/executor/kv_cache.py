@@ -92,6 +92,20 @@ class GrowingLayer(DynamicLayer):
             self._value_buffer = self._grown(self.values, like, held, capacity)
         return self._key_buffer, self._value_buffer, held
 
+    def fresh(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New buffers for `batch` rows of `width` positions (heads, head dim, dtype and device as the layer
+        holds now), with room to grow: the layer's keys and values become their first `width` positions, owned,
+        their contents unset; returns them for the caller to fill (a batch's layout change writes its new
+        layout here once, where building it with `torch.cat` and then adopting it copied the cache twice)."""
+        heads, dim = self.keys.shape[1], self.keys.shape[3]
+        capacity = width + max(SPARE_POSITIONS, width // 2)
+        self._key_buffer = self.keys.new_empty((batch, heads, capacity, dim))
+        self._value_buffer = self.values.new_empty((batch, heads, capacity, dim))
+        self.keys = self._key_buffer.narrow(2, 0, width)
+        self.values = self._value_buffer.narrow(2, 0, width)
+        self._views = (self.keys, self.values)
+        return self.keys, self.values
+
     def advance(self, count: int) -> None:
         """Take in `count` positions written into the buffers after the held ones (`reserve`)."""
         needed = (self.keys.shape[-2] if self.keys.dim() == 4 else 0) + count

@@ -245,3 +245,43 @@ def test_engine_feeds_each_token_to_the_target_once_per_round(words, drafter):
     assert len(rounds) == len(decoded) == generation.stats.target_forwards
     assert [1 + s.round.num_draft_tokens for s in decoded] == rounds
     assert generation.stats.num_draft_tokens > 0
+
+
+def test_a_join_writes_both_batches_once_into_new_buffers_as_concatenation_would(words, monkeypatch):
+    """`BatchKV.add` on caches of `GrowingLayer`s writes the running batch's and the newcomer's keys and values,
+    left-padded, straight into each layer's new buffers (owned, with room to grow): the same cache, mask, slots
+    and next logits as padding and concatenating give."""
+    from service.executor.batch_kv import BatchKV
+
+    model = words.model
+
+    real, joins = BatchKV._join_in_place, []
+
+    def spied(self, other, width):
+        joins.append(real(self, other, width))
+        return joins[-1]
+
+    def joined(in_place: bool) -> tuple[BatchKV, torch.Tensor]:
+        monkeypatch.setattr(
+            BatchKV, "_join_in_place", spied if in_place else (lambda self, other, width: False)
+        )
+        try:
+            running = BatchKV(model, torch.device("cpu"), rows=1)
+            running.forward([[3, 4, 5, 6, 7, 2, 1]])
+            running.forward([[4, 5]])
+            running.keep(0, running.length(0) - 1)  # a dead slot at the end
+            newcomer = BatchKV(model, torch.device("cpu"), rows=1)
+            newcomer.forward([[6, 7, 3]])
+            running.add(newcomer)
+            return running, running.forward([[2], [5]])
+        finally:
+            monkeypatch.undo()
+
+    with torch.inference_mode():
+        mine, my_logits = joined(True)
+        theirs, their_logits = joined(False)
+    assert joins == [True]  # the join took the in-place path
+    assert torch.equal(my_logits, their_logits)
+    assert mine.slots == theirs.slots and torch.equal(mine.mask, theirs.mask)
+    for a, b in zip(mine.cache.layers, theirs.cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
