@@ -197,15 +197,36 @@ class BatchKV:
             self._reset(0)
             return
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        # Columns no remaining row uses, at the left (a long sequence left) or the right.
+        first = min((self.slots[b][0] for b in keep if self.slots[b]), default=self.width)
+        if first < self.width and self._select_in_place(keep, first):
+            self.mask = self.mask[index][:, first:]
+            self.slots = [[s - first for s in self.slots[b]] for b in keep]
+            self.settle()
+            return
         if self.width:
             self.cache.batch_select_indices(index)
         self.mask = self.mask[index]
         self.slots = [self.slots[b] for b in keep]
-        # Columns no remaining row uses, at the left (a long sequence left) or the right.
-        first = min((s[0] for s in self.slots if s), default=self.width)
         if first > 0:
             self._drop_left(first)
         self.settle()
+
+    def _select_in_place(self, keep: list[int], first: int) -> bool:
+        """`remove` for caches of `GrowingLayer`s: the kept rows' keys and values from column `first` on, written
+        once into each layer's new buffers, where selecting the rows and then adopting the selection (dropped
+        columns make a view the layer does not own) copied them twice. False, with nothing changed, where a
+        layer is of another kind."""
+        layers = self._layers()
+        if any(type(layer) is not GrowingLayer or layer.keys.dim() != 4 for layer in layers):
+            return False
+        width = self.width - first
+        for layer in layers:
+            held = (layer.keys, layer.values)
+            for out, source in zip(layer.fresh(len(keep), width), held, strict=True):
+                for i, b in enumerate(keep):
+                    out[i].copy_(source[b, :, first:])
+        return True
 
     # ------------------------------------------------------------------ prefix caching (prefix_cache.py)
 

@@ -285,3 +285,44 @@ def test_a_join_writes_both_batches_once_into_new_buffers_as_concatenation_would
     assert mine.slots == theirs.slots and torch.equal(mine.mask, theirs.mask)
     for a, b in zip(mine.cache.layers, theirs.cache.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_row_leaving_writes_the_rest_once_into_new_buffers_as_selection_would(words, monkeypatch):
+    """`BatchKV.remove` on caches of `GrowingLayer`s writes the kept rows, without the columns none of them
+    uses, straight into each layer's new buffers: the same cache, mask, slots and next logits as selecting the
+    rows and dropping the columns give."""
+    from service.executor.batch_kv import BatchKV
+
+    model = words.model
+    real, selections = BatchKV._select_in_place, []
+
+    def spied(self, keep, first):
+        selections.append(real(self, keep, first))
+        return selections[-1]
+
+    def removed(in_place: bool) -> tuple[BatchKV, torch.Tensor]:
+        monkeypatch.setattr(
+            BatchKV, "_select_in_place", spied if in_place else (lambda self, keep, first: False)
+        )
+        try:
+            kv = BatchKV(model, torch.device("cpu"))
+            for prompt in ([3, 4, 5, 6, 7, 2, 1, 4, 5], [6, 7, 3], [2, 5, 4, 6]):
+                own = BatchKV(model, torch.device("cpu"), rows=1)
+                own.forward([prompt])
+                kv.add(own)
+            kv.forward([[4, 5], [6], [7, 2]])
+            kv.keep(1, kv.length(1) - 1)  # a hole in row 1
+            kv.remove([0])  # the longest row leaves: the columns only it used go too
+            return kv, kv.forward([[2], [5]])
+        finally:
+            monkeypatch.undo()
+
+    with torch.inference_mode():
+        mine, my_logits = removed(True)
+        theirs, their_logits = removed(False)
+    assert selections == [True]
+    assert torch.equal(my_logits, their_logits)
+    assert mine.slots == theirs.slots and torch.equal(mine.mask, theirs.mask)
+    assert mine.width < 9 + 2  # the dropped columns are gone
+    for a, b in zip(mine.cache.layers, theirs.cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
