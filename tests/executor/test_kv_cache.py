@@ -247,44 +247,51 @@ def test_engine_feeds_each_token_to_the_target_once_per_round(words, drafter):
     assert generation.stats.num_draft_tokens > 0
 
 
+def in_place_against_generic(monkeypatch, name: str, scenario) -> list[bool]:
+    """Run `scenario()` (-> a BatchKV and its next logits) with `BatchKV.<name>` (a layout change written in
+    place into the layers' new buffers) as it is, then declining (the generic path); assert both give the same
+    logits, slots, mask and cache. Returns what the in-place runs answered (True: the in-place path ran)."""
+    from service.executor.batch_kv import BatchKV
+
+    real, answers = getattr(BatchKV, name), []
+
+    def spied(self, *args):
+        answers.append(real(self, *args))
+        return answers[-1]
+
+    results = []
+    with torch.inference_mode():
+        for replacement in (spied, lambda self, *args: False):
+            monkeypatch.setattr(BatchKV, name, replacement)
+            try:
+                results.append(scenario())
+            finally:
+                monkeypatch.undo()
+    (mine, my_logits), (theirs, their_logits) = results
+    assert torch.equal(my_logits, their_logits)
+    assert mine.slots == theirs.slots and torch.equal(mine.mask, theirs.mask)
+    for a, b in zip(mine.cache.layers, theirs.cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    return answers
+
+
 def test_a_join_writes_both_batches_once_into_new_buffers_as_concatenation_would(words, monkeypatch):
     """`BatchKV.add` on caches of `GrowingLayer`s writes the running batch's and the newcomer's keys and values,
     left-padded, straight into each layer's new buffers (owned, with room to grow): the same cache, mask, slots
     and next logits as padding and concatenating give."""
     from service.executor.batch_kv import BatchKV
 
-    model = words.model
+    def joined():
+        running = BatchKV(words.model, torch.device("cpu"), rows=1)
+        running.forward([[3, 4, 5, 6, 7, 2, 1]])
+        running.forward([[4, 5]])
+        running.keep(0, running.length(0) - 1)  # a dead slot at the end
+        newcomer = BatchKV(words.model, torch.device("cpu"), rows=1)
+        newcomer.forward([[6, 7, 3]])
+        running.add(newcomer)
+        return running, running.forward([[2], [5]])
 
-    real, joins = BatchKV._join_in_place, []
-
-    def spied(self, other, width):
-        joins.append(real(self, other, width))
-        return joins[-1]
-
-    def joined(in_place: bool) -> tuple[BatchKV, torch.Tensor]:
-        monkeypatch.setattr(
-            BatchKV, "_join_in_place", spied if in_place else (lambda self, other, width: False)
-        )
-        try:
-            running = BatchKV(model, torch.device("cpu"), rows=1)
-            running.forward([[3, 4, 5, 6, 7, 2, 1]])
-            running.forward([[4, 5]])
-            running.keep(0, running.length(0) - 1)  # a dead slot at the end
-            newcomer = BatchKV(model, torch.device("cpu"), rows=1)
-            newcomer.forward([[6, 7, 3]])
-            running.add(newcomer)
-            return running, running.forward([[2], [5]])
-        finally:
-            monkeypatch.undo()
-
-    with torch.inference_mode():
-        mine, my_logits = joined(True)
-        theirs, their_logits = joined(False)
-    assert joins == [True]  # the join took the in-place path
-    assert torch.equal(my_logits, their_logits)
-    assert mine.slots == theirs.slots and torch.equal(mine.mask, theirs.mask)
-    for a, b in zip(mine.cache.layers, theirs.cache.layers, strict=True):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert in_place_against_generic(monkeypatch, "_join_in_place", joined) == [True]
 
 
 def test_a_row_leaving_writes_the_rest_once_into_new_buffers_as_selection_would(words, monkeypatch):
@@ -293,36 +300,16 @@ def test_a_row_leaving_writes_the_rest_once_into_new_buffers_as_selection_would(
     rows and dropping the columns give."""
     from service.executor.batch_kv import BatchKV
 
-    model = words.model
-    real, selections = BatchKV._select_in_place, []
+    def removed():
+        kv = BatchKV(words.model, torch.device("cpu"))
+        for prompt in ([3, 4, 5, 6, 7, 2, 1, 4, 5], [6, 7, 3], [2, 5, 4, 6]):
+            own = BatchKV(words.model, torch.device("cpu"), rows=1)
+            own.forward([prompt])
+            kv.add(own)
+        kv.forward([[4, 5], [6], [7, 2]])
+        kv.keep(1, kv.length(1) - 1)  # a hole in row 1
+        kv.remove([0])  # the longest row leaves: the columns only it used go too
+        assert kv.width < 9 + 2  # the columns only row 0 used are gone
+        return kv, kv.forward([[2], [5]])
 
-    def spied(self, keep, first):
-        selections.append(real(self, keep, first))
-        return selections[-1]
-
-    def removed(in_place: bool) -> tuple[BatchKV, torch.Tensor]:
-        monkeypatch.setattr(
-            BatchKV, "_select_in_place", spied if in_place else (lambda self, keep, first: False)
-        )
-        try:
-            kv = BatchKV(model, torch.device("cpu"))
-            for prompt in ([3, 4, 5, 6, 7, 2, 1, 4, 5], [6, 7, 3], [2, 5, 4, 6]):
-                own = BatchKV(model, torch.device("cpu"), rows=1)
-                own.forward([prompt])
-                kv.add(own)
-            kv.forward([[4, 5], [6], [7, 2]])
-            kv.keep(1, kv.length(1) - 1)  # a hole in row 1
-            kv.remove([0])  # the longest row leaves: the columns only it used go too
-            return kv, kv.forward([[2], [5]])
-        finally:
-            monkeypatch.undo()
-
-    with torch.inference_mode():
-        mine, my_logits = removed(True)
-        theirs, their_logits = removed(False)
-    assert selections == [True]
-    assert torch.equal(my_logits, their_logits)
-    assert mine.slots == theirs.slots and torch.equal(mine.mask, theirs.mask)
-    assert mine.width < 9 + 2  # the dropped columns are gone
-    for a, b in zip(mine.cache.layers, theirs.cache.layers, strict=True):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert in_place_against_generic(monkeypatch, "_select_in_place", removed) == [True]
