@@ -22,7 +22,8 @@ request served alone); several rows get ragged contexts (100 + 0, 5, -5, 10, ...
 the position ids and bf16's key alignment run as they do in a real batch.
 
 Per shape: the median wall time of `repeats` forwards (one untimed forward first: oneDNN picks its kernels on
-a shape's first call; the repeats go round-robin over the shapes so a burst of load spreads over all of them),
+a shape's first call; the repeats go round-robin over the shapes so a burst of load spreads over all of them,
+each timed forward right after an untimed one of its own shape),
 then a few forwards under `torch.profiler`, whose per-operator self time splits the forward into
 - matmul: the weight matmuls (aten::mm / addmm / linear, oneDNN's mkldnn_linear and its layout conversions,
   the _weight_int* kernels of quantised linears);
@@ -361,6 +362,10 @@ def measure_format(
         for i in range(repeats):
             log(f"{fmt.name}: repeat {i + 1}/{repeats}")
             for r, w in shapes:
+                # an untimed forward of the same shape first: a timed one after another shape (the widest
+                # before the narrowest in the round) paid for the caches and pages that shape left it, which
+                # read width 1 above width 2 (4.8 against 4.3 ms on a Zen 5 EPYC)
+                batches[r].forward(w)
                 samples[(r, w)].append(batches[r].forward(w))
         out_rows = []
         for r, w in shapes:
