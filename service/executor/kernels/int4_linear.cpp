@@ -531,6 +531,48 @@ void attend_avx2(const float* __restrict qv, const float* __restrict kb, const f
 // by the same tree (high 8 lanes onto the low 8, then `hsum8`), and each output dimension adds the keys'
 // weighted values in their order. Against `attend_avx2` one head at a time: half the multiply-adds' instructions
 // and a third of the loads.
+// `exp_approx` on 16 lanes: the same operations in the same order (no fused multiply-adds), so each lane has the
+// scalar function's bits
+inline __m512 exp_approx16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// 16 vectors' lane sums, as `hsum8(lo256(a) + hi256(a))` sums each: lanes l and l + 8, then l and l + 4, then
+// (0 + 2) + (1 + 3); here four rounds of shuffles and adds over all 16 at once, then a permutation back to key
+// order. Returns the 16 sums in a's order.
+inline __m512 reduce16(const __m512 (&a)[16]) {
+  __m512 v[8], w[4], x[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // [a_2i's lanes l + (l + 8) | a_2i+1's]
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j)  // 128-bit lane k: key 4j + k's lanes l + (l + 4)
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+#pragma GCC unroll 2
+  for (int m = 0; m < 2; ++m)  // lane k: (0 + 2, 1 + 3) of key 8m + k, then of key 8m + 4 + k
+    x[m] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane k, element e: key 4e + k's (0 + 2) + (1 + 3)
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
 template <int D, int G>
 void attend_group_avx512(const float* const* qv, const float* __restrict kb, const float* __restrict vb,
                          int64_t k_stride, int64_t v_stride, const int64_t* __restrict index, int64_t count,
@@ -544,7 +586,31 @@ void attend_group_avx512(const float* const* qv, const float* __restrict kb, con
   float top[G];
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) top[g] = -std::numeric_limits<float>::infinity();
-  for (int64_t c = 0; c < count; ++c) {
+  // 16 keys at a time: each key's 16-lane products as before, then the 16 sums reduced side by side in
+  // vectors (`reduce16`: the same tree, so the same bits), a few shuffles a key where `hsum8` took ~8 operations
+  const int64_t blocked = count & ~static_cast<int64_t>(15);
+  for (int64_t c0 = 0; c0 < blocked; c0 += 16) {
+    // the keys two blocks on, asked for now: at one query a cold cache's rows stream from memory
+    for (int64_t c = c0 + 32; c < std::min(c0 + 48, count); ++c) {
+      const char* row = reinterpret_cast<const char*>(kb + index[c] * k_stride);
+      for (int line = 0; line < D * 4; line += 64) prefetch(row + line);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      __m512 a[16];
+#pragma GCC unroll 16
+      for (int c = 0; c < 16; ++c) {
+        const float* kv = kb + index[c0 + c] * k_stride;
+        a[c] = _mm512_mul_ps(q[g][0], _mm512_loadu_ps(kv));
+#pragma GCC unroll 16
+        for (int j = 1; j < V; ++j) a[c] = _mm512_fmadd_ps(q[g][j], _mm512_loadu_ps(kv + 16 * j), a[c]);
+      }
+      const __m512 sums = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale));
+      _mm512_storeu_ps(scores + g * scores_stride + c0, sums);
+      top[g] = std::max(top[g], _mm512_reduce_max_ps(sums));
+    }
+  }
+  for (int64_t c = blocked; c < count; ++c) {
     const float* kv = kb + index[c] * k_stride;
     __m512 k[V];
 #pragma GCC unroll 16
@@ -560,15 +626,23 @@ void attend_group_avx512(const float* const* qv, const float* __restrict kb, con
       top[g] = std::max(top[g], score);
     }
   }
-  float inv[G];
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) {
     float* sg = scores + g * scores_stride;
-    for (int64_t c = 0; c < count; ++c) sg[c] = exp_approx(sg[c] - top[g]);
-    float total = 0.f;
-    for (int64_t c = 0; c < count; ++c) total += sg[c];
-    inv[g] = count ? 1.f / total : 0.f;
+    const __m512 shift = _mm512_set1_ps(top[g]);
+    for (int64_t c = 0; c < blocked; c += 16) _mm512_storeu_ps(sg + c, exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(sg + c), shift)));
+    for (int64_t c = blocked; c < count; ++c) sg[c] = exp_approx(sg[c] - top[g]);
   }
+  // each head's total in key order (the bits of a plain loop), the G heads' chains side by side: one add a key
+  // waits for the one before it, so a head alone was bound by the add's latency
+  float total[G], inv[G];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) total[g] = 0.f;
+  for (int64_t c = 0; c < count; ++c)
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) total[g] += scores[g * scores_stride + c];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) inv[g] = count ? 1.f / total[g] : 0.f;
   __m512 acc[G][V];
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g)
@@ -576,6 +650,10 @@ void attend_group_avx512(const float* const* qv, const float* __restrict kb, con
     for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < count; ++c) {
     const float* vv = vb + index[c] * v_stride;
+    if (c + 32 < count) {  // the value row 32 keys on
+      const char* row = reinterpret_cast<const char*>(vb + index[c + 32] * v_stride);
+      for (int line = 0; line < D * 4; line += 64) prefetch(row + line);
+    }
     __m512 v[V];
 #pragma GCC unroll 16
     for (int j = 0; j < V; ++j) v[j] = _mm512_loadu_ps(vv + 16 * j);
