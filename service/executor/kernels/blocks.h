@@ -27,10 +27,12 @@
 #define CSD_VNNI 1
 #define CSD_DOT_BYTES _mm256_dpbusd_avx_epi32
 #endif
-// 512-bit vectors where the CPU has AVX-512 with its byte and VNNI instructions (Zen 4 and 5, Ice Lake and later
-// Xeons): the 4-bit kernel's compute-bound tiles then run two column groups a VNNI instruction (kernels that
-// use it compute each lane as the 256-bit code does, so the bits do not change)
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// 512-bit vectors where the CPU has AVX-512 with its byte, doubleword and VNNI instructions (Zen 4 and 5, Ice
+// Lake and later Xeons): the 4-bit and 8-bit kernels' tiles then run two column groups a VNNI instruction and
+// the attention a key/value group's heads together (each lane computed as the 256-bit code computes it, so the
+// bits do not change)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
 #define CSD_AVX512 1
 #endif
 #endif
