@@ -52,18 +52,12 @@ class GrowingLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        held = self._held()
         count = key_states.shape[-2]
-        needed = held + count
-        if not self._owns_views() or self._key_buffer.shape[-2] < needed:
-            capacity = needed + max(SPARE_POSITIONS, needed // 2)
-            self._key_buffer = self._grown(self.keys, key_states, held, capacity)
-            self._value_buffer = self._grown(self.values, value_states, held, capacity)
+        self._make_room(key_states, held + count)
         self._key_buffer.narrow(2, held, count).copy_(key_states)
         self._value_buffer.narrow(2, held, count).copy_(value_states)
-        self.keys = self._key_buffer.narrow(2, 0, needed)
-        self.values = self._value_buffer.narrow(2, 0, needed)
-        self._views = (self.keys, self.values)
+        self.advance(count)
         return self.keys, self.values
 
     def reserve(
@@ -75,21 +69,12 @@ class GrowingLayer(DynamicLayer):
         that (a caller then updates it as transformers does)."""
         if not self.is_initialized:
             self.lazy_initialization(torch.empty(0, dtype=dtype, device=device), torch.empty(0, dtype=dtype))
-        held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        held = self._held()
         if held and (tuple(self.keys.shape[:2]) != (batch, heads) or self.keys.shape[-1] != dim):
             return None
         if self.keys.dtype != dtype:
             return None
-        needed = held + count
-        if (
-            not self._owns_views()
-            or self._key_buffer.shape[-2] < needed
-            or self._key_buffer.shape[0] != batch
-        ):
-            like = torch.empty((batch, heads, 0, dim), dtype=dtype, device=device)
-            capacity = needed + max(SPARE_POSITIONS, needed // 2)
-            self._key_buffer = self._grown(self.keys, like, held, capacity)
-            self._value_buffer = self._grown(self.values, like, held, capacity)
+        self._make_room(torch.empty((batch, heads, 0, dim), dtype=dtype, device=device), held + count)
         return self._key_buffer, self._value_buffer, held
 
     def fresh(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,21 +82,35 @@ class GrowingLayer(DynamicLayer):
         holds now), with room to grow: the layer's keys and values become their first `width` positions, owned,
         their contents unset; returns them for the caller to fill (a batch's layout change writes its new
         layout here once, where building it with `torch.cat` and then adopting it copied the cache twice)."""
-        heads, dim = self.keys.shape[1], self.keys.shape[3]
-        capacity = width + max(SPARE_POSITIONS, width // 2)
-        self._key_buffer = self.keys.new_empty((batch, heads, capacity, dim))
-        self._value_buffer = self.values.new_empty((batch, heads, capacity, dim))
-        self.keys = self._key_buffer.narrow(2, 0, width)
-        self.values = self._value_buffer.narrow(2, 0, width)
-        self._views = (self.keys, self.values)
+        like = self.keys.new_empty((batch, self.keys.shape[1], 0, self.keys.shape[3]))
+        self._key_buffer = self._grown(self.keys, like, 0, _capacity(width))
+        self._value_buffer = self._grown(self.values, like, 0, _capacity(width))
+        self.keys = self.values = like  # nothing held: advance() takes in the `width` new positions
+        self.advance(width)
         return self.keys, self.values
 
     def advance(self, count: int) -> None:
         """Take in `count` positions written into the buffers after the held ones (`reserve`)."""
-        needed = (self.keys.shape[-2] if self.keys.dim() == 4 else 0) + count
+        needed = self._held() + count
         self.keys = self._key_buffer.narrow(2, 0, needed)
         self.values = self._value_buffer.narrow(2, 0, needed)
         self._views = (self.keys, self.values)
+
+    def _held(self) -> int:
+        return self.keys.shape[-2] if self.keys.dim() == 4 else 0
+
+    def _make_room(self, like: torch.Tensor, needed: int) -> None:
+        """Buffers of `like`'s rows, heads and head dim with room for `needed` positions, the held ones copied
+        in, unless the layer's own buffers already are that."""
+        if (
+            self._owns_views()
+            and self._key_buffer.shape[-2] >= needed
+            and self._key_buffer.shape[0] == like.shape[0]
+        ):
+            return
+        held = self._held()
+        self._key_buffer = self._grown(self.keys, like, held, _capacity(needed))
+        self._value_buffer = self._grown(self.values, like, held, _capacity(needed))
 
     def crop(self, tokens_to_remove: int) -> None:
         owned = self._owns_views()
@@ -125,6 +124,11 @@ class GrowingLayer(DynamicLayer):
         if length:
             buffer.narrow(2, 0, length).copy_(held)
         return buffer
+
+
+def _capacity(needed: int) -> int:
+    """Positions a buffer gets for `needed`: half as much again, at least SPARE_POSITIONS more."""
+    return needed + max(SPARE_POSITIONS, needed // 2)
 
 
 def use_growing_layers(cache: Cache) -> Cache:

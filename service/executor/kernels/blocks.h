@@ -83,6 +83,30 @@ inline void sum_chains(const __m256i (&chains)[T][C], __m256i (&sums)[T]) {
 }
 #endif
 
+#if CSD_AVX512
+// what the 512-bit tiles read of two neighbouring column groups: a 32-byte run of the first (low half) and the
+// second's (high half) as one vector, and 8 16-bit per-block values (float16 scales, int16 sums) of each
+inline __m512i pair_runs(const void* first, const void* second) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(static_cast<const __m256i*>(first))),
+                            _mm256_loadu_si256(static_cast<const __m256i*>(second)), 1);
+}
+
+inline __m256i pair_eights(const void* first, const void* second) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(first))),
+                                 _mm_loadu_si128(static_cast<const __m128i*>(second)), 1);
+}
+
+template <int T, int C>
+inline void sum_chains(const __m512i (&chains)[T][C], __m512i (&sums)[T]) {
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    sums[t] = chains[t][0];
+#pragma GCC unroll 8
+    for (int c = 1; c < C; ++c) sums[t] = _mm512_add_epi32(sums[t], chains[t][c]);
+  }
+}
+#endif
+
 // the instruction set a kernel was built for, as its `isa()` says
 inline std::string isa_name() {
 #if CSD_VNNI && defined(__AVX512VL__)

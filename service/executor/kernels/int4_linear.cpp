@@ -211,9 +211,7 @@ inline void group_pair_rows(const uint8_t* __restrict w, const Scale* __restrict
       for (int c = 0; c < C; ++c) chains[t][c] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      const __m512i v = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + group_bytes + 32 * i)), 1);
+      const __m512i v = csd::pair_runs(wb + 32 * i, wb + group_bytes + 32 * i);
       const __m512i lo = _mm512_and_si512(v, low);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 #pragma GCC unroll 8
@@ -226,18 +224,9 @@ inline void group_pair_rows(const uint8_t* __restrict w, const Scale* __restrict
       }
     }
     __m512i sums[T];
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      sums[t] = chains[t][0];
-#pragma GCC unroll 8
-      for (int c = 1; c < C; ++c) sums[t] = _mm512_add_epi32(sums[t], chains[t][c]);
-    }
-    const __m512 dv = _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * kColumns))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + group_scales + b * kColumns)), 1));
-    const __m512 mv = _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b * kColumns))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + group_scales + b * kColumns)), 1));
+    csd::sum_chains(chains, sums);
+    const __m512 dv = _mm512_cvtph_ps(csd::pair_eights(d + b * kColumns, d + group_scales + b * kColumns));
+    const __m512 mv = _mm512_cvtph_ps(csd::pair_eights(m + b * kColumns, m + group_scales + b * kColumns));
     const float* a = xs.scale + b * rows + r0;
     const float* s = xs.sums + b * rows + r0;
     const float* c = xs.corrections + b * rows + r0;

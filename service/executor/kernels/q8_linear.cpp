@@ -173,9 +173,7 @@ inline void group_pair_rows(const int8_t* __restrict w, const Scale* __restrict 
     const int8_t* xb = xs.xq + (b * rows + r0) * kBlock;
     constexpr int C = csd::kChains<T>;
     __m512i chains[T][C];
-    const __m256i wsums = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wsum + b * kColumns))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(wsum + group_scales + b * kColumns)), 1);
+    const __m256i wsums = csd::pair_eights(wsum + b * kColumns, wsum + group_scales + b * kColumns);
     const __m512i start = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), _mm512_cvtepi16_epi32(wsums)), 7);
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
@@ -185,9 +183,7 @@ inline void group_pair_rows(const int8_t* __restrict w, const Scale* __restrict 
     }
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
-      const __m512i v = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + group_bytes + 32 * i)), 1);
+      const __m512i v = csd::pair_runs(wb + 32 * i, wb + group_bytes + 32 * i);
 #pragma GCC unroll 8
       for (int t = 0; t < T; ++t) {
         int32_t x4;
@@ -195,17 +191,13 @@ inline void group_pair_rows(const int8_t* __restrict w, const Scale* __restrict 
         chains[t][i % C] = _mm512_dpbusd_epi32(chains[t][i % C], _mm512_set1_epi32(x4), v);
       }
     }
-    const __m512 sv = _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b * kColumns))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + group_scales + b * kColumns)), 1));
+    const __m512 sv = _mm512_cvtph_ps(csd::pair_eights(s + b * kColumns, s + group_scales + b * kColumns));
     const float* a = xs.scale + b * rows + r0;
+    __m512i sums[T];
+    csd::sum_chains(chains, sums);
 #pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      __m512i sum = chains[t][0];
-#pragma GCC unroll 8
-      for (int c = 1; c < C; ++c) sum = _mm512_add_epi32(sum, chains[t][c]);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sv, _mm512_set1_ps(a[t])), acc[t]);
-    }
+    for (int t = 0; t < T; ++t)
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t]), _mm512_mul_ps(sv, _mm512_set1_ps(a[t])), acc[t]);
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * out_stride, acc[t]);
 }
