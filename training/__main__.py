@@ -16,7 +16,6 @@ Installing is opt-in: a head trained on a small corpus can be worse than the shi
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import shutil
@@ -46,12 +45,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--budget-minutes", type=float, default=None, help="stop starting corpus shards after this long"
-    )
-    parser.add_argument(
-        "--generate-dtype",
-        default="bfloat16",
-        help="dtype of the target while it writes the corpus (bf16: ~2x faster here; the features are "
-        "recomputed in the serving dtype, so only near-ties in the text differ)",
     )
     parser.add_argument(
         "--threads",
@@ -110,25 +103,25 @@ def main(argv: list[str] | None = None) -> None:
     timings: dict[str, float] = {}
     budget = None if args.budget_minutes is None else 60 * args.budget_minutes
 
-    # Shard by shard: write the corpus shard (the fast dtype), then its features (the serving dtype), so a
-    # run stopped by its budget or by hand leaves every finished shard usable.
-    # the writer loads only when a shard is still to be written: a resumed run may need none
-    # it writes text that is compared with nothing, so it keeps torch's SDPA kernels, not the batch-invariant
-    # ones serving needs: 3.4x faster on 48 rows of long prompts alone, about 1.15x on whole shards (17.2-17.5
-    # min a shard against 19-22 with them, one core, a benchmark on the other)
-    writer = functools.cache(lambda: load_model(args.model, dtype=args.generate_dtype, batch_invariant=False))
-
+    # Shard by shard: write the corpus shard, then its features, so a run stopped by its budget or by hand
+    # leaves every finished shard usable. The served target writes the corpus through the serving engine
+    # (training.sampling): its answers are the labels the head learns, exactly as serving writes them.
     target = load_model(args.model)
     banned = bench_ngrams()
     started = time.perf_counter()
     feature_files: list[Path] = []
+    written: list[float] = []  # seconds each shard written by this run took
     for shard in range(args.shards):
         left = None if budget is None else budget - (time.perf_counter() - started)
         t0 = time.perf_counter()
-        built = build_corpus(writer, args.corpus, shard + 1, CorpusConfig(seed=args.seed), banned, left)
-        timings["corpus_s"] = timings.get("corpus_s", 0.0) + time.perf_counter() - t0
+        built = build_corpus(target, args.corpus, shard + 1, CorpusConfig(seed=args.seed), banned, left)
+        spent = time.perf_counter() - t0
+        timings["corpus_s"] = timings.get("corpus_s", 0.0) + spent
         if len(built) <= shard:
             break
+        if spent > 1.0:  # written now, not found on disk: where the whole job stands
+            written.append(spent)
+            _progress(built, args.shards, written)
         if args.stop_after == "corpus":
             continue
         out = work / "features" / built[shard].name.replace(".jsonl.gz", ".safetensors")
@@ -137,7 +130,6 @@ def main(argv: list[str] | None = None) -> None:
             shard_features(target, read_shard(built[shard]), out)
             timings["features_s"] = timings.get("features_s", 0.0) + time.perf_counter() - t0
         feature_files.append(out)
-    writer.cache_clear()  # frees the writer's weights before training
     if args.stop_after in ("corpus", "features"):
         return _save_timings(work, timings)
 
@@ -174,6 +166,22 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("model.safetensors", "config.json", "README.md", "training.json"):
         shutil.copy2(head_dir / name, destination / name)
     print(f"installed the draft head in {destination}")
+
+
+def _progress(built: list[Path], shards: int, written: list[float]) -> None:
+    """One line a written shard: shards and answer positions so far, and when the corpus will be complete at
+    this run's pace (generation is hours for a large corpus; it resumes shard by shard)."""
+    from training.magpie import shard_positions
+
+    positions = sum(shard_positions(path) for path in built)
+    pace = sum(written) / len(written)
+    left = (shards - len(built)) * pace
+    bar = "#" * (20 * len(built) // shards)
+    print(
+        f"corpus [{bar:<20}] {len(built)}/{shards} shards, {positions:,} positions, "
+        f"{pace / 60:.1f} min a shard, ETA {left / 3600:.1f} h",
+        flush=True,
+    )
 
 
 def _save_timings(work: Path, timings: dict[str, float]) -> None:

@@ -3,7 +3,7 @@
 An aligned chat model given only its chat template up to the start of a user message samples a plausible
 user message; it then answers it. The distribution of those turns is the model's own idea of its traffic,
 far wider than any list of templates (the first corpus was templates and topic lists, and the head trained
-on it did not hold up on prompts it had never seen). Five kinds of conversation, mixed by `KIND_WEIGHTS`:
+on it did not hold up on prompts it had never seen). Six kinds of conversation, mixed by `KIND_WEIGHTS`:
 
 - `open`: the template's default system prompt, a sampled user turn (sometimes started with an opener such
   as "Write" or "How do I", so the sampler does not collapse onto its favourite question);
@@ -12,10 +12,13 @@ on it did not hold up on prompts it had never seen). Five kinds of conversation,
 - `grounded`: a passage and an instruction on it (summarise, answer from it, rewrite, extract): the passage
   is either sampled by the target after the instruction or one of the corpus's own earlier answers;
 - `tools`: tool definitions rendered as the service renders them, a user request that may need one, and the
-  target's answer (a tool call or text).
+  target's answer (a tool call or text);
+- `code`: a programming request, its user turn started with one of `CODE_OPENERS` (write, fix, explain,
+  test, in several languages), sometimes under the programmer system prompt (shards 17 on).
 
 Every user turn is filtered (ended by the model within the length bound, mostly printable ASCII, no
-degenerate repetition, no duplicate opening, no 8-word sequence shared with any `bench/` prompt). What is
+degenerate repetition, no opening already in this or an earlier shard, no 8-word sequence shared with any
+`bench/` prompt). What is
 stored is token ids and texts, compactly (`*.jsonl.gz` shards, one record per answer: the exact prompt ids
 the target answered from and its answer ids, `<|im_end|>` included), so generation can be spread over
 several runs and resumed shard by shard, and training recomputes hidden states teacher-forced.
@@ -26,6 +29,7 @@ project (Apache-2.0); no third-party data.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import logging
@@ -45,7 +49,27 @@ from training.sampling import decode_batch
 
 log = logging.getLogger(__name__)
 
-KIND_WEIGHTS = {"open": 0.36, "system": 0.14, "multi": 0.2, "grounded": 0.2, "tools": 0.1}
+KIND_WEIGHTS = {"open": 0.32, "system": 0.12, "multi": 0.2, "grounded": 0.2, "tools": 0.08, "code": 0.08}
+
+CODE_SYSTEM_PROMPT = "You are an expert Python programmer. Give working code with short explanations."
+
+# How a `code` conversation's user turn starts; the target samples the rest (the request, or code to work on)
+CODE_OPENERS = [
+    "Write a Python function that",
+    "Write a Python script that",
+    "Write a JavaScript function that",
+    "Write a SQL query that",
+    "Write a bash command that",
+    "Fix this Python code:\n```python\n",
+    "What does this code do?\n```python\n",
+    "Why does this code raise an error?\n```python\n",
+    "Write unit tests for this function:\n```python\n",
+    "Refactor this code to be more readable:\n```python\n",
+    "How do I read a file in",
+    "Explain the difference between",
+    "Write a regular expression that",
+    "Convert this loop to a list comprehension:\n```python\n",
+]
 
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",
@@ -251,12 +275,18 @@ class CorpusConfig:
     top_p: float = 0.98
 
 
-class Filter:
-    """Keeps a sampled user turn only if it reads like one; remembers openings to drop near-duplicates."""
+def opening(text: str) -> str:
+    """A user turn's first ten words, lowercased: two turns that open alike are near-duplicates."""
+    return " ".join(re.findall(r"[a-z0-9']+", text.lower())[:10])
 
-    def __init__(self, banned: set[tuple[str, ...]]) -> None:
+
+class Filter:
+    """Keeps a sampled user turn only if it reads like one; remembers openings to drop near-duplicates
+    (`seen`: those of earlier shards too, so the corpus is deduplicated as a whole)."""
+
+    def __init__(self, banned: set[tuple[str, ...]], seen: set[str] | None = None) -> None:
         self.banned = banned
-        self.seen: set[str] = set()
+        self.seen: set[str] = set() if seen is None else seen
 
     def accept(self, text: str) -> bool:
         words = text.split()
@@ -271,7 +301,7 @@ class Filter:
         grams = [tuple(lowered[i : i + 4]) for i in range(len(lowered) - 3)]
         if grams and len(set(grams)) < 0.7 * len(grams):
             return False  # degenerate repetition
-        key = " ".join(re.findall(r"[a-z0-9']+", text.lower())[:10])
+        key = opening(text)
         if key in self.seen or overlaps(text, self.banned):
             return False
         self.seen.add(key)
@@ -360,7 +390,11 @@ def _new_conversation(rng: random.Random, passages: list[str]) -> Conversation:
     if kind == "tools":
         tools = rng.sample(TOOLS, rng.randint(1, 3))
         messages.append({"role": "system", "content": tools_system_prompt(tools)})
-    if kind == "grounded":
+    if kind == "code":
+        if rng.random() < 0.4:
+            messages.append({"role": "system", "content": CODE_SYSTEM_PROMPT})
+        pending = rng.choice(CODE_OPENERS)
+    elif kind == "grounded":
         if passages and rng.random() < 0.5:
             instruction = rng.choice(GROUNDED_INSTRUCTIONS)
             passage = rng.choice(passages)
@@ -379,11 +413,13 @@ def build_shard(
     config: CorpusConfig,
     banned: set[tuple[str, ...]],
     passages: list[str],
+    seen: set[str] | None = None,
 ) -> list[dict]:
-    """One shard's records (seeded by the corpus seed and the shard number)."""
+    """One shard's records (seeded by the corpus seed and the shard number); `seen`: the openings of the
+    user turns already in the corpus (a turn opening like one is dropped; the shard's own are added)."""
     rng = random.Random(f"{config.seed}-{shard}")
     gen = torch.Generator().manual_seed(config.seed * 100_003 + shard)
-    flt = Filter(banned)
+    flt = Filter(banned, seen)
     convs = [_new_conversation(rng, passages) for _ in range(config.shard_size)]
     needs_user = [c for c in convs if not c.messages or c.messages[-1]["role"] != "user"]
     _sample_user_turns(target, needs_user, flt, config, gen)
@@ -438,10 +474,11 @@ def build_corpus(
             log.info("time budget spent: %d of %d shards built", len(done), shards)
             break
         passages = _passages(done[-4:])
+        seen = set().union(*(_openings(p) for p in done))
         t0 = time.perf_counter()
         if callable(target):
             target = target()
-        records = build_shard(target, shard, config, banned, passages)
+        records = build_shard(target, shard, config, banned, passages, seen)
         write_shard(path, records)
         done.append(path)
         positions = sum(len(r["answer_ids"]) for r in records)
@@ -454,6 +491,20 @@ def build_corpus(
             ", ".join(f"{k} {sum(r['kind'] == k for r in records)}" for k in KIND_WEIGHTS),
         )
     return done
+
+
+@functools.cache
+def _openings(path: Path) -> frozenset[str]:
+    """The openings of a written shard's user turns (read once a process: a shard never changes)."""
+    return frozenset(
+        opening(m["content"]) for r in read_shard(path) for m in r["messages"] if m["role"] == "user"
+    )
+
+
+@functools.cache
+def shard_positions(path: Path) -> int:
+    """Answer positions in a written shard (what the head trains on)."""
+    return sum(len(r["answer_ids"]) for r in read_shard(path))
 
 
 def _passages(paths: list[Path]) -> list[str]:

@@ -147,6 +147,9 @@ class Generation:
         self.eos_ids = (set() if sampling.ignore_eos else target.eos_token_ids()) | set(
             sampling.stop_token_ids
         )
+        # the one of them that ended it, if one did (vLLM's `stop_reason` for a token): it is not part of
+        # `tokens`, and a caller that keeps a turn's own ending (the training corpus) needs to know which
+        self.stop_token_id: int | None = None
         # special tokens that do not end the generation (a chat template's turn start): never drafted
         self._unending_specials = model_special_ids(target) - self.eos_ids
         vocab = target.vocab_size
@@ -294,6 +297,7 @@ class Generation:
         for token in verdict.tokens:
             if token.token_id in self.eos_ids:
                 self.finish_reason = "stop"
+                self.stop_token_id = token.token_id
                 self.stats.num_eos = 1
                 break
             emitted.append(token)

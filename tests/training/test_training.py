@@ -5,6 +5,7 @@ tiny model writes a head the service loads, whose drafts are accepted, with a fu
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -15,14 +16,18 @@ from service.decoding.text import encode_chat
 from tests.conftest import make_word_model
 from training.features import feature_layers, shard_features
 from training.magpie import (
+    CODE_OPENERS,
     Conversation,
     CorpusConfig,
     Filter,
     _answer,
+    _new_conversation,
+    _openings,
     _user_prefix,
     build_corpus,
     read_shard,
     shard_path,
+    shard_positions,
     write_shard,
 )
 from training.overlap import bench_ngrams, ngrams, overlaps
@@ -81,9 +86,43 @@ def test_sampled_turns_are_seeded_and_stop_at_the_stop_token(tiny):
     prompts = [[1, 2, 3], [4, 5]]
     first = decode_batch(tiny, prompts, 12, {7}, temperature=1.0, generator=torch.Generator().manual_seed(3))
     again = decode_batch(tiny, prompts, 12, {7}, temperature=1.0, generator=torch.Generator().manual_seed(3))
-    assert first == again
-    for tokens, ended in first:
-        assert ended == (7 in tokens) and (not ended or tokens[-1] == 7)
+    other = decode_batch(tiny, prompts, 12, {7}, temperature=1.0, generator=torch.Generator().manual_seed(4))
+    assert first == again and first != other
+    # greedy, a row stops at its own stop token (kept as its last token) while the other decodes on
+    greedy = decode_batch(tiny, prompts, 12, set())
+    assert all(len(tokens) == 12 and not ended for tokens, ended in greedy)
+    stop = greedy[0][0][3]
+    assert stop not in greedy[0][0][:3]
+    cut = decode_batch(tiny, prompts, 12, {stop})
+    assert cut[0] == (greedy[0][0][:4], True)
+    expected = greedy[1][0][: greedy[1][0].index(stop) + 1] if stop in greedy[1][0] else greedy[1][0]
+    assert cut[1] == (expected, stop in greedy[1][0])
+    # a row writes the same alone as beside others (the corpus is what serving writes, batched or not)
+    assert decode_batch(tiny, prompts[1:], 12, set()) == greedy[1:]
+
+
+def test_the_corpus_is_deduplicated_across_shards_and_mixes_in_code(tmp_path):
+    turn = "How do I keep basil alive on a windowsill in winter?"
+    records = [
+        {
+            "kind": "open",
+            "messages": [{"role": "user", "content": turn}],
+            "answer": "x",
+            "prompt_ids": [1, 2],
+            "answer_ids": [3, 4, 5],
+        }
+    ]
+    path = shard_path(tmp_path, 0)
+    write_shard(path, records)
+    assert shard_positions(path) == 3
+    seen = set(_openings(path))
+    flt = Filter(set(), seen)
+    assert not flt.accept(turn)  # an earlier shard opened a turn alike
+    assert flt.accept("How do I repot a cactus without getting pricked?")
+    rng = random.Random(0)
+    convs = [_new_conversation(rng, []) for _ in range(400)]
+    code = [c for c in convs if c.kind == "code"]
+    assert 10 <= len(code) <= 60 and all(c.pending in CODE_OPENERS for c in code)
 
 
 def test_the_corpus_resumes_shard_by_shard(tiny, tmp_path):
@@ -273,3 +312,4 @@ def test_the_draft_vocabulary_ranks_answer_tokens_by_frequency():
     vocab, coverage = rank_vocabulary(tokens, [(0, 7), (7, 12)], size=2)
     # labels are every token after the first of each answer: 1 1 1 2 2 3 | 4 4 4 4
     assert vocab.tolist() == [1, 4] and coverage == pytest.approx(7 / 10)
+
