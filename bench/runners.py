@@ -21,8 +21,9 @@ class MethodSpec:
     """One column of the benchmark: what runs, with which drafter and which OCM.
 
     Labels: "vanilla", "sd", "lossy", "csd-cold", "csd", "hf-greedy", "hf-pld"; the `-adaptive` variants; with a
-    draft model "sd-model", "lossy-model", "csd-model-cold", "csd-model", "hf-assisted"; with a draft head
-    "sd-head", "csd-head", "csd-head-unguarded", "sd-combined", "csd-combined" and their `-adaptive` variants.
+    draft model "sd-model", "lossy-model", "csd-model-cold", "csd-model", "csd-model-unguarded", "hf-assisted";
+    with a draft head "sd-head", "csd-head", "csd-head-unguarded", "sd-combined", "csd-combined" and their
+    `-adaptive` variants.
     """
 
     label: str
@@ -105,6 +106,16 @@ def method_specs(
             MethodSpec("lossy-model", "engine", Method.LOSSY, "model"),
             MethodSpec("csd-model-cold", "engine", Method.CSD, "model", ocm="cold"),
             MethodSpec("csd-model", "engine", Method.CSD, "model", ocm="calibrated"),
+            # the paper's CSD on the paper's setting: what the guards block on a draft model's divergences
+            MethodSpec(
+                "csd-model-unguarded",
+                "engine",
+                Method.CSD,
+                "model",
+                ocm="calibrated",
+                guard_facts=False,
+                guard_turns=False,
+            ),
         ]
         if with_peer:
             specs.append(MethodSpec("hf-assisted", "hf", hf_mode="assisted"))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from service.executor.paths import EMBEDDED_EXIT_DIR
 from tests.conftest import make_word_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +90,24 @@ def test_generate_json_has_text_tokens_with_provenance_and_stats(ocm_path):
     assert 0 < accepted == stats["accepted_tokens"]
 
 
+@pytest.mark.skipif(not (EMBEDDED_EXIT_DIR / "exit.json").exists(), reason="no exit shipped")
+def test_the_shipped_early_exit_draft_model_serves_drafter_model_losslessly(ocm_path):
+    """`--draft-model embedded-exit` needs nothing but the package: the embedded target's own first layers
+    behind the shipped exit draft for it, and strict SD writes vanilla's text."""
+    common = ("generate", "--chat", "--json", "--max-tokens", "32", SPELLING)
+    plain = csd(*common, "--method", "vanilla", ocm_path=ocm_path)
+    assert plain.returncode == 0, plain.stderr
+    out = csd(
+        *common, "--method", "sd", "--drafter", "model", "--draft-model", "embedded-exit",
+        ocm_path=ocm_path, CSD_ADAPTIVE_SPECULATION="false",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "UNEXPECTED" not in out.stderr  # the layers it does not keep are left unread, quietly
+    result = json.loads(out.stdout)
+    assert result["drafter"] == "model" and result["text"] == json.loads(plain.stdout)["text"]
+    assert result["stats"]["accepted_tokens"] > 0
+
+
 def test_calibrate_then_ocm_top_shows_decoded_patterns(tmp_path, ocm_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
@@ -127,6 +146,8 @@ def bad_files(tmp_path_factory):
     (folder / "fieldless.jsonl").write_text('{"question": "where is the prompt?"}\n')
     (folder / "empty.jsonl").write_text("\n\n")
     (folder / "good.jsonl").write_text('{"prompt": "Say hello."}\n')
+    (folder / "bad-exit").mkdir()
+    (folder / "bad-exit" / "exit.json").write_text('{"base": "embedded"}\n')  # no layers
     other_vocab = make_word_model(seed=0)
     other_vocab.model.save_pretrained(folder / "word-model")
     other_vocab.tokenizer.save_pretrained(folder / "word-model")
@@ -156,6 +177,7 @@ BAD_INPUTS = [
         ["generate", "hi", "--drafter", "model", "--draft-model", "{dir}/word-model"],
         "does not share the vocabulary of target model 'SmolLM2-135M-Instruct'",
     ),
+    (["generate", "hi", "--drafter", "model", "--draft-model", "{dir}/bad-exit"], "is not an exit's config"),
     (["calibrate", "--prompts", "{dir}/missing.jsonl"], "cannot read prompts file"),
     (["calibrate", "--prompts", "{dir}/malformed.jsonl"], "malformed.jsonl:2: not valid JSON"),
     (["calibrate", "--prompts", "{dir}/fieldless.jsonl"], "needs a 'prompt', 'messages' or 'text' field"),

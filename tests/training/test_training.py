@@ -313,3 +313,35 @@ def test_the_draft_vocabulary_ranks_answer_tokens_by_frequency():
     # labels are every token after the first of each answer: 1 1 1 2 2 3 | 4 4 4 4
     assert vocab.tolist() == [1, 4] and coverage == pytest.approx(7 / 10)
 
+
+def test_a_trained_exit_agrees_with_the_target_more_and_serves_as_a_draft_model(words, tmp_path):
+    """training.exit on a 4-layer model cut at 2: the exit learns the target's tokens from layer 2's states,
+    and the folder it writes loads as a draft model whose logits are the exit's."""
+    from service.executor.early_exit import final_rms_norm, save_exit
+    from service.executor.models import load_model
+    from training.exit import Exit, exit_states
+
+    words.model.save_pretrained(tmp_path / "base")
+    words.tokenizer.save_pretrained(tmp_path / "base")
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 12, (4,), generator=generator).tolist() for _ in range(16)]
+    records = _greedy_records(words, prompts, 12)  # the whole target's answers: the labels
+    cut = load_model(str(tmp_path / "base"), layers=2, dtype="float32")
+    assert len(cut.model.get_decoder().layers) == 2
+    states, labels = exit_states(cut.model, records)
+    assert states.shape == (sum(len(r["answer_ids"]) for r in records), words.model.config.hidden_size)
+    norm = final_rms_norm(cut.model)
+    exit_ = Exit(norm.weight.detach().float(), norm.variance_epsilon, cut.model.get_output_embeddings())
+    before = exit_.agreement(states, labels)
+    losses = exit_.fit(states, labels, epochs=40, lr=1e-2, batch=64, seed=0)
+    after = exit_.agreement(states, labels)
+    assert losses[-1] < losses[0] and after >= before + 0.15, (before, after)
+
+    save_exit(tmp_path / "exit", str(tmp_path / "base"), 2, exit_.adapter, exit_.scale)
+    draft = load_model(str(tmp_path / "exit"), dtype="float32")
+    ids = records[0]["prompt_ids"] + records[0]["answer_ids"]
+    with torch.inference_mode():
+        got = draft.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+        span = slice(len(records[0]["prompt_ids"]) - 1, len(ids) - 1)
+        expected = exit_.logits(states[: len(records[0]["answer_ids"])])
+    assert torch.allclose(got[span].float(), expected, atol=1e-3, rtol=1e-3)
