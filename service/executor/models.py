@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from service.decoding.types import DecodingError
 from service.executor.batch_invariant import make_batch_invariant
@@ -362,6 +368,10 @@ def load_model(
         kwargs["device_map"] = "auto"
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        if layers is not None:  # more layers than the checkpoint holds would be initialised at random
+            depth = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code).num_hidden_layers
+            if not 1 <= layers <= depth:
+                raise DecodingError(f"cannot keep {layers} layers of {spec!r}: it has {depth}")
         with _quiet_load_report(layers is not None):
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as exc:

@@ -64,6 +64,9 @@ def test_a_broken_exit_folder_is_refused_with_what_is_wrong(tmp_path):
     save_exit(folder, "embedded", 2, torch.zeros(8, 8), torch.ones(8))
     with pytest.raises(DecodingError, match="does not hold an exit for hidden size 576"):
         load_model(str(folder), weights=WEIGHTS)
+    save_exit(folder, "embedded", 31, torch.zeros(576, 576), torch.ones(576))  # deeper than the model
+    with pytest.raises(DecodingError, match="cannot keep 31 layers of 'embedded': it has 30"):
+        load_model(str(folder), weights=WEIGHTS)
     (folder / EXIT_WEIGHTS).unlink()
     with pytest.raises(DecodingError, match="has no exit.safetensors"):
         load_model(str(folder))
