@@ -82,8 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     folder = args.work / f"exit{args.layers}"
     save_exit(folder, args.model, args.layers, exit_.adapter, exit_.scale)
     report = {
+        "model": args.model,
         "layers": args.layers,
         "of_layers": depth,
+        "hidden": int(exit_.scale.shape[0]),
         "answers": len(records),
         "positions": len(train_y),
         "epochs": args.epochs,
@@ -203,13 +205,14 @@ def model_card(report: dict) -> str:
         f"(untrained early exit: {v['untrained']:.1%})"
         for name, v in report["held_out"].items()
     )
-    return f"""# Early-exit draft model for SmolLM2-135M-Instruct
+    hidden = report["hidden"]
+    return f"""# Early-exit draft model for `{report["model"]}`
 
-A draft model for speculative decoding with SmolLM2-135M-Instruct (the csd-serve embedded model), served by
-`--drafter model --draft-model embedded-exit`: the target's own first {report["layers"]} of {report["of_layers"]} decoder
-layers, a trained exit (`service/executor/early_exit.py`: norm(h + A h), A {576} x {576}, and the final norm's
-scale), the target's LM head. Nothing to download: the layers come from the target's GGUF file; this folder
-holds the exit only (1.3 MB).
+A draft model for speculative decoding with the target `{report["model"]}` (`embedded`: SmolLM2-135M-Instruct,
+served by `--drafter model --draft-model embedded-exit`): the target's own first {report["layers"]} of
+{report["of_layers"]} decoder layers, a trained exit (`service/executor/early_exit.py`: norm(h + A h), A {hidden} x
+{hidden}, and the final norm's scale), the target's LM head. Nothing to download: the layers come from the
+target's own weights; this folder holds the exit only ({4 * hidden * (hidden + 1) / 1e6:.1f} MB).
 
 - Data: the target's greedy answers in the project's corpus (`training/corpus`, `training/magpie.py`),
   teacher-forced: {report["answers"]} answers, {report["positions"]} positions. Labels: the target's own tokens.

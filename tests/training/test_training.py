@@ -319,7 +319,7 @@ def test_a_trained_exit_agrees_with_the_target_more_and_serves_as_a_draft_model(
     and the folder it writes loads as a draft model whose logits are the exit's."""
     from service.executor.early_exit import final_rms_norm, save_exit
     from service.executor.models import load_model
-    from training.exit import Exit, exit_states
+    from training.exit import Exit, exit_states, model_card
 
     words.model.save_pretrained(tmp_path / "base")
     words.tokenizer.save_pretrained(tmp_path / "base")
@@ -345,3 +345,10 @@ def test_a_trained_exit_agrees_with_the_target_more_and_serves_as_a_draft_model(
         span = slice(len(records[0]["prompt_ids"]) - 1, len(ids) - 1)
         expected = exit_.logits(states[: len(records[0]["answer_ids"])])
     assert torch.allclose(got[span].float(), expected, atol=1e-3, rtol=1e-3)
+    # its card names the target and the exit's own size, not the embedded model's
+    held = {"calibration": {"kind": "grounded tasks", "positions": 9, "untrained": 0.1, "trained": 0.5}}
+    report = {"model": "base", "layers": 2, "of_layers": 4, "hidden": 32, "answers": 16, "positions": 9,
+              "lr": 0.01, "epochs": 40, "batch": 64, "seed": 0, "train_seconds": 1.0, "threads": 1,
+              "final_loss": 1.0, "held_out": held, "command": "python -m training.exit"}  # fmt: skip
+    card = model_card(report)
+    assert "`base`" in card and "A 32 x\n32" in card and "(0.0 MB)" in card and "576" not in card
