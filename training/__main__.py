@@ -30,7 +30,7 @@ DEFAULT_WORK = Path("training/runs/smollm2-135m")
 DEFAULT_CORPUS = Path("training/corpus/smollm2-135m")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded", help="the target model spec (default: embedded)")
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="work folder (resumable)")
@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--draft-vocab", type=int, default=8192, help="frequency-ranked draft vocabulary size"
     )
+    # the head's shape and what it learns per example (ablations: each choice judged on unseen prompts by
+    # training.evaluate, and priced by its draft time in bench)
+    # (unset: TrainConfig's defaults, the shipped head's shape)
+    parser.add_argument("--inner-size", type=int, default=None, help="width of the head's blocks")
+    parser.add_argument("--blocks", type=int, default=None, help="residual blocks a drafted position")
+    parser.add_argument("--unroll", type=int, default=None, help="drafted positions trained per example")
     parser.add_argument(
         "--install", action="store_true", help="copy the trained head over the shipped one (or --install-to)"
     )
@@ -84,7 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--stop-after", choices=["corpus", "features", "train"], default=None)
     traffic.add_arguments(parser)  # --from-traffic DIR, --head, --holdout, --out
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.from_traffic is not None:
         traffic.main(args)
@@ -133,19 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.stop_after in ("corpus", "features"):
         return _save_timings(work, timings)
 
-    from training.train_head import TrainConfig, train
+    from training.train_head import train
 
     head_dir = work / (args.head_name or ("head" if args.fuse_layers else "head-final-only"))
     if not (head_dir / "model.safetensors").exists():
-        config = TrainConfig(
-            seed=args.seed,
-            epochs=args.epochs,
-            lr=args.lr,
-            draft_vocab=args.draft_vocab,
-            fuse_layers=args.fuse_layers,
-            init_from=args.init_from,
-            extend_vocab=args.extend_vocab,
-        )
+        config = train_config(args)
         # the head's confidence is calibrated, and its card predicts, on prompts people wrote (training.unseen)
         calibration = {
             name: unseen.features(target, name, work / "unseen") for name in unseen.CALIBRATION_SETS
@@ -166,6 +168,31 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("model.safetensors", "config.json", "README.md", "training.json"):
         shutil.copy2(head_dir / name, destination / name)
     print(f"installed the draft head in {destination}")
+
+
+def train_config(args: argparse.Namespace):
+    """The `TrainConfig` the command line asks for (the head's shape flags unset: the shipped head's)."""
+    from training.train_head import TrainConfig
+
+    shape = {
+        field: value
+        for field, value in (
+            ("inner_size", args.inner_size),
+            ("num_blocks", args.blocks),
+            ("unroll", args.unroll),
+        )
+        if value is not None
+    }
+    return TrainConfig(
+        seed=args.seed,
+        epochs=args.epochs,
+        lr=args.lr,
+        draft_vocab=args.draft_vocab,
+        fuse_layers=args.fuse_layers,
+        init_from=args.init_from,
+        extend_vocab=args.extend_vocab,
+        **shape,
+    )
 
 
 def _progress(built: list[Path], shards: int, written: list[float]) -> None:

@@ -464,6 +464,7 @@ def model_card(report: dict, config: DraftHeadConfig) -> str:
             else ""
         )
         + ("" if config.feature_layers else " --no-fuse-layers")
+        + _shape_flags(report["config"])
     )
     features = (
         f"the target's final hidden state fused with the outputs of decoder layers {list(config.feature_layers)}\n(EAGLE-3's low, mid and high features)"
@@ -495,6 +496,22 @@ target's and are not stored here.
   stop rule {held["served_tokens_per_forward"]}.{_corpus_caveat(report)}
 - Reproduce: `{command} --install` (docs/drafters.md).
 """
+
+
+def _shape_flags(trained: dict) -> str:
+    """The command line's flags for a head shaped unlike the default (an ablation), so its card reproduces it."""
+    default = TrainConfig()
+    flags = (
+        ("--inner-size", "inner_size"),
+        ("--blocks", "num_blocks"),
+        ("--unroll", "unroll"),
+        ("--draft-vocab", "draft_vocab"),
+    )
+    return "".join(
+        f" {flag} {trained[field]}"
+        for flag, field in flags
+        if field in trained and trained[field] != getattr(default, field)
+    )
 
 
 def _served(figures: dict) -> str:

@@ -285,6 +285,8 @@ def test_prompts_unlike_the_corpus_calibrate_the_head_and_give_the_cards_predict
         and f"(`bench/data/other.jsonl`): {predicted['other']['served_tokens_per_forward']}" in card
     )
     assert "not the prediction" in card  # the held-out corpus figure is labelled as what it is
+    # an ablation's card reproduces its shape (the default shape's card names none of these flags)
+    assert "--inner-size 64 --unroll 3 --draft-vocab 10 --install" in card and "--blocks" not in card
     saved = json.loads((tmp_path / "head" / "config.json").read_text())
     assert saved["confidence_temperature"] == calibration["temperature"]
 
@@ -352,3 +354,20 @@ def test_a_trained_exit_agrees_with_the_target_more_and_serves_as_a_draft_model(
               "final_loss": 1.0, "held_out": held, "command": "python -m training.exit"}  # fmt: skip
     card = model_card(report)
     assert "`base`" in card and "A 32 x\n32" in card and "(0.0 MB)" in card and "576" not in card
+
+
+def test_the_command_line_sets_the_heads_shape_for_ablations_and_keeps_the_shipped_one_by_default():
+    from training.__main__ import build_parser, train_config
+    from training.train_head import TrainConfig
+
+    default = train_config(build_parser().parse_args([]))
+    assert (default.inner_size, default.num_blocks, default.unroll) == (
+        TrainConfig.inner_size,
+        TrainConfig.num_blocks,
+        TrainConfig.unroll,
+    )
+    assert default.fuse_layers  # the shipped head fuses low, mid and final features
+    shaped = train_config(
+        build_parser().parse_args(["--inner-size", "2048", "--blocks", "3", "--unroll", "6", "--epochs", "1"])
+    )
+    assert (shaped.inner_size, shaped.num_blocks, shaped.unroll, shaped.epochs) == (2048, 3, 6, 1.0)
