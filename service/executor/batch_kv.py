@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from service.decoding.types import DecodingError
+from service.executor.fused_layers import lean_logits
 from service.executor.kv_cache import GrowingLayer, crop_cache, new_cache
 
 # transformers hands grouped-query attention to torch's SDPA natively (`enable_gqa`) only when no mask is
@@ -102,7 +103,10 @@ class BatchKV:
         if logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
         base = self.width
-        logits = self.model(input_ids=ids.to(self.device), cache=self.cache, **kwargs).logits
+        ids = ids.to(self.device)
+        logits = lean_logits(self.model, ids, self.cache, **kwargs)
+        if logits is None:  # not the fused executor: the model's own forward
+            logits = self.model(input_ids=ids, cache=self.cache, **kwargs).logits
         self.mask = torch.cat([self.mask, new.to(self.device)], dim=1)
         for b, tokens in enumerate(token_rows):
             self.slots[b].extend(range(base, base + len(tokens)))

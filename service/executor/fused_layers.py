@@ -185,18 +185,31 @@ def _lean_decoder_forward(
     **kwargs,
 ) -> BaseModelOutputWithPast:
     """`LlamaModel.forward` for fused layers: the same embedding, positions, rotary tables, layers and final
-    norm, with the mask built as the attention kernel reads it (a query sees a key where the 2-D mask keeps
-    the key and the key is no later than the query's own position; no mask: causal, which the kernel does by
-    itself)."""
+    norm (`_lean_hidden`)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
     cache = cache if cache is not None else past_key_values
-    hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     if cache is None and (self.config.use_cache if use_cache is None else use_cache):
         cache = new_cache(self.config)
+    hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    return BaseModelOutputWithPast(
+        last_hidden_state=_lean_hidden(self, hidden, attention_mask, position_ids, cache), cache=cache
+    )
+
+
+def _lean_hidden(
+    decoder: torch.nn.Module,
+    hidden: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cache,
+) -> torch.Tensor:
+    """The decoder's final (normed) hidden states of embedded tokens, with the mask built as the attention
+    kernel reads it (a query sees a key where the 2-D mask keeps the key and the key is no later than the
+    query's own position; no mask: causal, which the kernel does by itself)."""
     length = hidden.shape[1]
-    past = cache.get_seq_length() if cache is not None else 0
     if position_ids is None:
+        past = cache.get_seq_length() if cache is not None else 0
         position_ids = (torch.arange(length, device=hidden.device) + past).unsqueeze(0)
     mask = None
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
@@ -207,20 +220,52 @@ def _lean_decoder_forward(
         mask = (attention_mask.bool()[:, None, None, :] & visible[None, None]).contiguous()
     elif attention_mask is not None and attention_mask.dim() == 4:
         mask = attention_mask
-    position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-    stacked = _stack_forward(self, hidden, position_embeddings, mask, cache)
+    position_embeddings = decoder.rotary_emb(hidden, position_ids=position_ids)
+    stacked = _stack_forward(decoder, hidden, position_embeddings, mask, cache)
     if stacked is not None:
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(stacked), cache=cache)
-    for layer in self.layers:
+        return decoder.norm(stacked)
+    for layer in decoder.layers:
         hidden = layer(
             hidden,
             attention_mask=mask,
             position_ids=position_ids,
             cache=cache,
-            use_cache=use_cache,
+            use_cache=cache is not None,
             position_embeddings=position_embeddings,
         )
-    return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), cache=cache)
+    return decoder.norm(hidden)
+
+
+def lean_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    cache,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    logits_to_keep: int = 0,
+) -> torch.Tensor | None:
+    """`model(input_ids=..., cache=..., ...).logits` for a causal LM whose decoder runs the lean forward,
+    without the two model-output objects, the decorators and the module calls around them (about half a
+    millisecond a forward on a slow core, where a one-token forward of the embedded model takes ten): the
+    engine's forward, once a token. The same operators in the same order, so the same logits bit for bit.
+    None where the model is not that or something watches the calls it skips (a hook on the model or its
+    decoder): the caller then calls the model."""
+    decoder = getattr(model, "model", None)
+    if decoder is None or not getattr(decoder, "_csd_lean", False) or cache is None:
+        return None
+    if (
+        model._forward_hooks
+        or model._forward_pre_hooks
+        or decoder._forward_hooks
+        or decoder._forward_pre_hooks
+    ):
+        return None
+    if _global_hooks():
+        return None
+    hidden = _lean_hidden(decoder, decoder.embed_tokens(input_ids), attention_mask, position_ids, cache)
+    if logits_to_keep:
+        hidden = hidden[:, -logits_to_keep:, :]
+    return model.lm_head(hidden)
 
 
 def _stack_forward(
@@ -270,7 +315,7 @@ def _stack_forward(
         capture,
     )
     for layer in cache_layers:
-        layer.advance(length)
+        layer.advance(length, held)
     captured = dict(zip(capture, outputs[1:], strict=True))
     for i in hooked:
         layer_input = captured[i - 1] if i > 0 else hidden
@@ -368,6 +413,7 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
     decoder = model.get_decoder()
     if type(decoder).__name__ == "LlamaModel" and len(layers) == model.config.num_hidden_layers:
         decoder.forward = types.MethodType(_lean_decoder_forward, decoder)
+        decoder._csd_lean = True  # `lean_logits` may call it without the model's own forward
         decoder._csd_stack = _build_stack(kernels, layers, found)
     log.debug("%d decoder layers fused around their attention", len(layers))
     return len(layers)

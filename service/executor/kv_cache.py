@@ -67,6 +67,18 @@ class GrowingLayer(DynamicLayer):
         the key and value buffers [batch, heads, capacity, dim], contiguous, with room for them after the
         `held` positions returned; `advance(count)` then takes them in. None where the layer's shape is not
         that (a caller then updates it as transformers does)."""
+        # the common case, once a layer a forward: the layer's own buffers have the room and the shape
+        keys = self.keys if self._owns_views() else None
+        if (
+            keys is not None
+            and keys.dtype == dtype
+            and keys.shape[0] == batch
+            and keys.shape[1] == heads
+            and keys.shape[3] == dim
+        ):
+            held = keys.shape[2]
+            if self._key_buffer.shape[2] >= held + count:
+                return self._key_buffer, self._value_buffer, held
         if not self.is_initialized:
             self.lazy_initialization(torch.empty(0, dtype=dtype, device=device), torch.empty(0, dtype=dtype))
         held = self._held()
@@ -89,9 +101,10 @@ class GrowingLayer(DynamicLayer):
         self.advance(width)
         return self.keys, self.values
 
-    def advance(self, count: int) -> None:
-        """Take in `count` positions written into the buffers after the held ones (`reserve`)."""
-        needed = self._held() + count
+    def advance(self, count: int, held: int | None = None) -> None:
+        """Take in `count` positions written into the buffers after the held ones (`reserve`; a caller that
+        has `held` from it passes it on)."""
+        needed = (self._held() if held is None else held) + count
         self.keys = self._key_buffer.narrow(2, 0, needed)
         self.values = self._value_buffer.narrow(2, 0, needed)
         self._views = (self.keys, self.values)

@@ -315,9 +315,10 @@ def test_a_layer_neither_kernel_can_hold_stays_dense(kernels):
 
 
 def test_the_lean_decoder_forward_gives_transformers_logits_in_a_ragged_batch(kernels, fused):
-    """A fused Llama decoder runs `_lean_decoder_forward` (its own mask, no `create_causal_mask`): a batch of
-    rows with contexts of different lengths (padding masks in play) and a 2-token round give the same logits,
-    bit for bit, as transformers' `LlamaModel.forward` around the same fused layers."""
+    """A fused Llama decoder runs `_lean_decoder_forward` (its own mask, no `create_causal_mask`), and the
+    engine's forward skips the causal LM's own (`lean_logits`): a batch of rows with contexts of different
+    lengths (padding masks in play) and a 2-token round give the same logits, bit for bit, as transformers'
+    `LlamaForCausalLM.forward` and `LlamaModel.forward` around the same fused layers."""
     from service.executor.batch_kv import BatchKV
 
     decoder = fused.model.get_decoder()
@@ -335,11 +336,14 @@ def test_the_lean_decoder_forward_gives_transformers_logits_in_a_ragged_batch(ke
 
     with torch.inference_mode():
         mine = ragged_round()
-        del decoder.forward  # transformers' own forward, for the reference
+        # transformers' own forwards, for the reference: LlamaModel's, and LlamaForCausalLM's around it
+        del decoder.forward
+        decoder._csd_lean = False
         try:
             theirs = ragged_round()
         finally:
             decoder.forward = lean
+            decoder._csd_lean = True
     assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[2], theirs[2])
     assert torch.equal(mine[1, :1], theirs[1, :1])  # row 1 fed one token: its padded position is noise
 
@@ -410,3 +414,30 @@ def test_the_decoder_stack_gives_the_per_layer_paths_bits_cache_and_hooked_featu
         assert torch.equal(a_in, b_in) and torch.equal(a_out, b_out)
     for a, b in zip(my_kv.cache.layers, their_kv.cache.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_lean_logits_are_the_models_logits_and_step_aside_for_a_hook_on_the_model(kernels, fused):
+    """`lean_logits` (the engine's forward) gives `model(...).logits` bit for bit, with `logits_to_keep`, and
+    the LM head's pre-hook (the final hidden states the draft head reads) still fires; a hook on the model
+    itself would be skipped by it, so it declines (None) and the caller calls the model."""
+    from service.executor.fused_layers import lean_logits
+    from service.executor.kv_cache import new_cache
+
+    prompt = encode_chat(fused.tokenizer, [{"role": "user", "content": "Why is the sky blue?"}])
+    ids = torch.tensor([prompt])
+    seen = []
+    head_hook = fused.model.lm_head.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape))
+    try:
+        with torch.inference_mode():
+            mine = lean_logits(fused.model, ids, new_cache(fused.model.config), logits_to_keep=3)
+            theirs = fused.model(input_ids=ids, cache=new_cache(fused.model.config), logits_to_keep=3).logits
+    finally:
+        head_hook.remove()
+    assert mine is not None and mine.shape == theirs.shape == (1, 3, fused.vocab_size)
+    assert torch.equal(mine, theirs)
+    assert seen == [torch.Size([1, 3, fused.model.config.hidden_size])] * 2
+    hook = fused.model.register_forward_hook(lambda *_: None)
+    try:
+        assert lean_logits(fused.model, ids, new_cache(fused.model.config)) is None
+    finally:
+        hook.remove()
