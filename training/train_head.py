@@ -465,6 +465,11 @@ def model_card(report: dict, config: DraftHeadConfig) -> str:
         )
         + ("" if config.feature_layers else " --no-fuse-layers")
         + _shape_flags(report["config"])
+        + (
+            f" --epochs {report['config']['epochs']:g}"
+            if not init and report["config"]["epochs"] != TrainConfig.epochs
+            else ""
+        )
     )
     features = (
         f"the target's final hidden state fused with the outputs of decoder layers {list(config.feature_layers)}\n(EAGLE-3's low, mid and high features)"
@@ -479,7 +484,7 @@ draft vocabulary. {params / 1e6:.1f} M parameters of its own; the token embeddin
 target's and are not stored here.
 
 {start}- Data: self-distillation on a corpus the target wrote itself (`training/magpie.py`, Magpie): its own sampled
-  user turns (open, under operator system prompts, multi-turn, grounded on passages, tool-style) and its
+  user turns (open, under operator system prompts, multi-turn, grounded on passages, tool-style, code from shard 17) and its
   greedy answers. {report["data"]["answers"]} answers, {report["data"]["positions"]} positions. No third-party
   data; no user turn shares an 8-word sequence with any `bench/` prompt. Licence: Apache-2.0 (the target model,
   SmolLM2, is Apache-2.0; the corpus is its output).
