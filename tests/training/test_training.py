@@ -286,7 +286,9 @@ def test_prompts_unlike_the_corpus_calibrate_the_head_and_give_the_cards_predict
     )
     assert "not the prediction" in card  # the held-out corpus figure is labelled as what it is
     # an ablation's card reproduces its shape (the default shape's card names none of these flags)
-    assert "--inner-size 64 --unroll 3 --draft-vocab 10 --epochs 5 --install" in card and "--blocks" not in card
+    assert (
+        "--inner-size 64 --unroll 3 --draft-vocab 10 --epochs 5 --install" in card and "--blocks" not in card
+    )
     saved = json.loads((tmp_path / "head" / "config.json").read_text())
     assert saved["confidence_temperature"] == calibration["temperature"]
 
