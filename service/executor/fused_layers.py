@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
 from service.executor import native
 from service.executor.int4_weights import Int4Linear, Int4Projection
@@ -248,10 +249,16 @@ def lean_logits(
     without the two model-output objects, the decorators and the module calls around them (about half a
     millisecond a forward on a slow core, where a one-token forward of the embedded model takes ten): the
     engine's forward, once a token. The same operators in the same order, so the same logits bit for bit.
-    None where the model is not that or something watches the calls it skips (a hook on the model or its
-    decoder): the caller then calls the model."""
-    decoder = getattr(model, "model", None)
-    if decoder is None or not getattr(decoder, "_csd_lean", False) or cache is None:
+    None where the model is not that, or something watches or replaces the calls it skips (a hook on the model
+    or its decoder, a wrapper, a forward set on the instance): the caller then calls the model."""
+    # only transformers' own Llama causal LM, called as itself: a wrapper or a replaced forward (a fault
+    # injected for a test, a profiler's scope) sits in the call this skips, so the caller must make that call
+    if getattr(type(model), "forward", None) is not LlamaForCausalLM.forward or "forward" in vars(model):
+        return None
+    if cache is None:
+        return None
+    decoder = model.model
+    if not getattr(decoder, "_csd_lean", False):
         return None
     if (
         model._forward_hooks

@@ -441,3 +441,16 @@ def test_lean_logits_are_the_models_logits_and_step_aside_for_a_hook_on_the_mode
         assert lean_logits(fused.model, ids, new_cache(fused.model.config)) is None
     finally:
         hook.remove()
+    # a forward set on the instance, or a wrapper that hands every other attribute through, is in the call
+    fused.model.forward = fused.model.forward
+    try:
+        assert lean_logits(fused.model, ids, new_cache(fused.model.config)) is None
+    finally:
+        del fused.model.forward
+
+    class Wrapper:
+        def __getattr__(self, name: str):
+            return getattr(fused.model, name)
+
+    assert lean_logits(Wrapper(), ids, new_cache(fused.model.config)) is None
+    assert lean_logits(fused.model, ids, new_cache(fused.model.config)) is not None
