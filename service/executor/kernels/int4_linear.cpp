@@ -145,6 +145,7 @@ inline void group_rows(const uint8_t* __restrict w, const Scale* __restrict d, c
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x_lo)),
                                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x_hi)));
         pairs[t] = i == 0 ? p : _mm256_add_epi16(pairs[t], p);
+        csd::keep_order(pairs[t]);
 #endif
       }
     }

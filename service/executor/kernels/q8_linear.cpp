@@ -131,6 +131,7 @@ inline void group_rows(const int8_t* __restrict w, const Scale* __restrict s, co
 #else
         const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(x4), v));
         sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(pairs, ones));
+        csd::keep_order(sums[t]);
 #endif
       }
     }
